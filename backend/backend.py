@@ -1,0 +1,170 @@
+"""``OffGraphKVBackend.preprocess``: private tensors, AOTInductor code, manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+from executorch.exir._serialize._named_data_store import NamedDataStore
+from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.extension.llm.cache.reference_cache import LayerKind
+from torch.export import Dim, ExportedProgram
+
+from offgraph_kv.backend.aoti_compile import compile_shared_object, target_of
+from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError, find_sites
+from offgraph_kv.backend.compile_specs import BackendSpecs
+from offgraph_kv.backend.private_tensors import (
+    PrivateTensorProgram,
+    bind_private_tensors,
+    private_tensor_examples,
+)
+from offgraph_kv.backend.storage_omission import prove_storage_omission
+from offgraph_kv.schemas.manifest import Manifest, PrivateTensor
+
+log = logging.getLogger(__name__)
+
+# Sizes used for tracing. Both above 1 so export does not specialise them.
+_EXAMPLE_WIDTH = 3
+_EXAMPLE_ROWS = 7
+
+
+def _user_inputs(ep: ExportedProgram) -> List[torch.fx.Node]:
+    names = set(ep.graph_signature.user_inputs)
+    return [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in names]
+
+
+def _examples_and_dims(
+    ep: ExportedProgram, inputs: List[torch.fx.Node], width: "int | torch.SymInt"
+) -> Tuple[List[torch.Tensor], List[Dict[int, Dim]]]:
+    """Concrete example inputs and their dynamic dims, from the program's symbols."""
+    dims: Dict[object, Dim] = {}
+    examples, shapes = [], []
+    for node in inputs:
+        val = node.meta["val"]
+        if not isinstance(val, torch.Tensor):
+            raise LoweringError(f"input {node.name}: only tensor inputs are supported, got {type(val).__name__}")
+        sizes, spec = [], {}
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if expr not in dims:
+                    rng = ep.range_constraints[expr]
+                    is_width = isinstance(width, torch.SymInt) and expr == width.node.expr
+                    name = "step" if is_width else f"d{len(dims)}"
+                    dims[expr] = Dim(name, min=max(int(rng.lower), 1), max=int(rng.upper))
+                spec[d] = dims[expr]
+                hint = _EXAMPLE_WIDTH if isinstance(width, torch.SymInt) and expr == width.node.expr else None
+                sizes.append(hint or max(int(ep.range_constraints[expr].lower), 2))
+            else:
+                sizes.append(int(size))
+        examples.append(torch.zeros(sizes, dtype=val.dtype))
+        shapes.append(spec)
+    return examples, shapes
+
+
+def build_manifest(
+    sites: Sequence[CacheOpSite], specs: BackendSpecs, num_user_inputs: int, num_outputs: int, code_key: str, target: str
+) -> Manifest:
+    tensors = []
+    for s in sites:
+        policy = specs.layers[s.layer_id]
+        kind = "ring" if policy.kind is LayerKind.RING else "flat"
+        for j, (role, hd) in enumerate((("key", s.head_dim), ("value", s.v_head_dim))):
+            tensors.append(
+                PrivateTensor(
+                    layer=s.layer_id,
+                    role=role,
+                    kind=kind,
+                    window=policy.window,
+                    num_heads=s.num_kv_heads,
+                    head_dim=hd,
+                    storage_dtype=specs.storage_dtype,
+                    compiled_input=num_user_inputs + 2 * s.layer_id + j,
+                )
+            )
+    return Manifest(
+        device=specs.device,
+        target=target,
+        num_user_inputs=num_user_inputs,
+        num_outputs=num_outputs,
+        max_write=specs.max_write,
+        capacity_bound=specs.capacity_bound,
+        initial_capacity=specs.initial_capacity,
+        max_capacity=specs.max_capacity,
+        growth_factor=specs.growth_factor,
+        compiled_code_key=code_key,
+        tensors=tensors,
+    )
+
+
+def validate_manifest(manifest: Manifest, compiled: ExportedProgram) -> None:
+    """The manifest must agree with the compiled program's inputs, one by one."""
+    user = [n for n in compiled.graph.nodes if n.op == "placeholder"
+            and n.name in set(compiled.graph_signature.user_inputs)]
+    expected = manifest.num_user_inputs + len(manifest.tensors)
+    if len(user) != expected:
+        raise LoweringError(f"manifest describes {expected} compiled inputs, the compiled program takes {len(user)}")
+    for t in manifest.tensors:
+        val = user[t.compiled_input].meta["val"]
+        if val.dtype != t.storage_dtype or val.dim() != 4 or tuple(val.shape[2:]) != (t.num_heads, t.head_dim):
+            raise LoweringError(
+                f"manifest layer {t.layer} {t.role}: [1, S, {t.num_heads}, {t.head_dim}] {t.storage_dtype} "
+                f"does not match compiled input {t.compiled_input} {list(val.shape)} {val.dtype}"
+            )
+
+
+class OffGraphKVBackend(BackendDetails):
+    @staticmethod
+    def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
+        specs = BackendSpecs.from_compile_specs(compile_specs)
+        sites = find_sites(edge_program.graph)
+        if not sites:
+            raise LoweringError("OffGraphKVBackend: the partition holds no kvcache::update_and_attend")
+        if len(specs.layers) != len(sites):
+            raise LoweringError(f"compile specs give {len(specs.layers)} layer policies for {len(sites)} cache layers")
+        if any(p.kind is LayerKind.RING for p in specs.layers):
+            raise LoweringError("ring layers are not supported by this build of OffGraphKVBackend yet")
+        inputs = _user_inputs(edge_program)
+        # The partitioner derived the locator from the whole program; check it
+        # against this partition's own inputs, which are the delegate's.
+        from offgraph_kv.partitioner.step_width import locate
+
+        locate(sites, [n.meta["val"].shape for n in inputs], specs.step_width)
+
+        examples, dyn = _examples_and_dims(edge_program, inputs, sites[0].width)
+        program = edge_program.module()
+        bind_private_tensors(program)
+        wrapper = PrivateTensorProgram(program, len(inputs), len(sites))
+        rows = Dim("kv_rows", min=1, max=specs.capacity_bound)
+        private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, "cpu")
+        dyn = dyn + [{1: rows} for _ in private]
+        with torch.no_grad():
+            compiled_ep = torch.export.export(wrapper, tuple(examples + private), dynamic_shapes=tuple(dyn), strict=False)
+        num_outputs = len(compiled_ep.graph_signature.user_outputs)
+
+        device = specs.device
+        if device == "cuda":
+            from torch.export.passes import move_to_device_pass
+
+            compiled_ep = move_to_device_pass(compiled_ep, "cuda")
+            examples = [e.cuda() for e in examples]
+            private = [p.cuda() for p in private]
+        so_bytes = compile_shared_object(compiled_ep, examples + private, device)
+        code_key = "offgraph_kv_" + hashlib.sha256(so_bytes).hexdigest()[:32] + "_so"
+
+        manifest = build_manifest(sites, specs, len(inputs), num_outputs, code_key, target_of(device))
+        validate_manifest(manifest, compiled_ep)
+        report = prove_storage_omission(compiled_ep, edge_program, manifest)
+        log.info("offgraph-kv: %d weight bytes compiled in, %d KV bytes/token left to the runtime",
+                 report.weight_bytes, report.kv_bytes_per_token)
+
+        store = NamedDataStore()
+        store.add_named_data(code_key, so_bytes, 16, None)
+        return PreprocessResult(
+            processed_bytes=manifest.to_bytes(),
+            debug_handle_map={},
+            data_store_output=store.get_named_data_store_output(),
+        )

@@ -1,0 +1,100 @@
+"""Finding and checking the ``kvcache::update_and_attend`` nodes of a graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+from torch import fx
+
+OP_NAME = "kvcache::update_and_attend"
+
+
+class LoweringError(ValueError):
+    """A model the offgraph-kv backend cannot lower; the message names the node."""
+
+
+def is_cache_op(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    name = getattr(target, "_name", None) or getattr(getattr(target, "_op", None), "_name", None)
+    return name == OP_NAME
+
+
+@dataclass(frozen=True)
+class CacheOpSite:
+    """What lowering needs to know about one attention site."""
+
+    node: fx.Node
+    layer_id: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    width: "int | torch.SymInt"  # the step's token count, q.shape[2]
+    scale: float
+    out_dtype: torch.dtype
+
+
+def _shape(node: fx.Node, arg: object, what: str) -> torch.Size:
+    if not isinstance(arg, fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
+        raise LoweringError(f"{node.name}: argument {what} is not a tensor")
+    return arg.meta["val"].shape
+
+
+def read_site(node: fx.Node) -> CacheOpSite:
+    """Check one op node's arguments and describe it, or raise naming the problem."""
+    if len(node.args) != 7:
+        raise LoweringError(f"{node.name}: expected 7 arguments to {OP_NAME}, got {len(node.args)}")
+    q, k, v, position, layer_id, scale, out_dtype = node.args
+    qs, ks, vs = _shape(node, q, "q"), _shape(node, k, "k"), _shape(node, v, "v")
+    ps = _shape(node, position, "position")
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        raise LoweringError(f"{node.name}: q, k and v must be 4-D [B, H, T, D], got {list(qs)}, {list(ks)}, {list(vs)}")
+    if not isinstance(layer_id, int):
+        raise LoweringError(f"{node.name}: layer_id must be a constant int, got {layer_id!r}")
+    if qs[0] != 1:
+        raise LoweringError(f"{node.name} (layer {layer_id}): batch must be 1, got {qs[0]}")
+    if isinstance(qs[1], torch.SymInt) or isinstance(ks[1], torch.SymInt) or isinstance(qs[3], torch.SymInt):
+        raise LoweringError(f"{node.name} (layer {layer_id}): head counts and head dim must be static")
+    if qs[1] % ks[1] != 0:
+        raise LoweringError(
+            f"{node.name} (layer {layer_id}): {qs[1]} query heads is not a multiple of {ks[1]} KV heads"
+        )
+    if ks[1] != vs[1] or qs[3] != ks[3]:
+        raise LoweringError(f"{node.name} (layer {layer_id}): k {list(ks)} and v {list(vs)} do not match q {list(qs)}")
+    if vs[3] != ks[3]:
+        raise LoweringError(f"{node.name} (layer {layer_id}): v head dim {vs[3]} differs from k head dim {ks[3]}; not supported")
+    if len(ps) != 2 or ps[1] != 1:
+        raise LoweringError(f"{node.name} (layer {layer_id}): position must be [T, 1], got {list(ps)}")
+    if not isinstance(out_dtype, torch.dtype):
+        raise LoweringError(f"{node.name} (layer {layer_id}): out_dtype must be a constant dtype")
+    return CacheOpSite(
+        node=node,
+        layer_id=layer_id,
+        num_q_heads=int(qs[1]),
+        num_kv_heads=int(ks[1]),
+        head_dim=int(ks[3]),
+        v_head_dim=int(vs[3]),
+        width=qs[2],
+        scale=float(scale),
+        out_dtype=out_dtype,
+    )
+
+
+def find_sites(graph: fx.Graph) -> List[CacheOpSite]:
+    """Every cache op in graph order, checked; layer ids must be unique and dense."""
+    sites = [read_site(n) for n in graph.nodes if is_cache_op(n)]
+    seen = {}
+    for s in sites:
+        if s.layer_id in seen:
+            raise LoweringError(
+                f"{s.node.name}: layer_id {s.layer_id} is also used by {seen[s.layer_id].name}; each layer needs its own cache"
+            )
+        seen[s.layer_id] = s.node
+    ids = sorted(seen)
+    if ids and ids != list(range(len(ids))):
+        raise LoweringError(f"layer ids must be 0..{len(ids) - 1}, got {ids}")
+    return sorted(sites, key=lambda s: s.layer_id)

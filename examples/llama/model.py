@@ -1,0 +1,211 @@
+"""A Llama-family decoder whose attention calls ``kvcache::update_and_attend``.
+
+One definition serves export (the op is functional to the tracer, so the KV cache
+never becomes a graph tensor) and the eager reference (the op dispatches to the
+``ContiguousReferenceCache`` installed in ExecuTorch's cache registry).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Importing registers the op with torch.library.
+import executorch.extension.llm.cache.update_and_attend  # noqa: F401
+from executorch.extension.llm.cache.reference_cache import LayerPolicy
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    vocab_size: int = 256
+    hidden_dim: Optional[int] = None
+    multiple_of: int = 32
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3.1 style frequency scaling; None keeps plain RoPE.
+    rope_scaling: Optional[Dict[str, float]] = None
+    # Per-layer sliding windows: 0 = full attention. One entry applies to all
+    # layers, otherwise one per layer.
+    sliding_windows: List[int] = field(default_factory=lambda: [0])
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.hidden_dim is not None:
+            return self.hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def window_of(self, layer: int) -> int:
+        w = self.sliding_windows
+        return w[0] if len(w) == 1 else w[layer]
+
+    def layer_policies(self) -> List[LayerPolicy]:
+        """The cache policy of every layer, as the oracle and partitioner take it."""
+        return [
+            LayerPolicy.ring(self.window_of(i)) if self.window_of(i) > 0 else LayerPolicy.flat()
+            for i in range(self.n_layers)
+        ]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = args.rope_scaling
+    if not s:
+        return inv.float()
+    # Llama 3.1: stretch low frequencies, keep high ones, blend in between.
+    factor = s.get("factor", 8.0)
+    low = s.get("low_freq_factor", 1.0)
+    high = s.get("high_freq_factor", 4.0)
+    old_ctx = s.get("original_max_position_embeddings", 8192)
+    low_wavelen = old_ctx / low
+    high_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(
+        wavelen > low_wavelen,
+        inv / factor,
+        torch.where(wavelen < high_wavelen, inv, (1 - smooth) * inv / factor + smooth * inv),
+    )
+    return scaled.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.to(x.dtype) * self.weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Half-split rotation (the Hugging Face convention); Meta checkpoints are
+    # permuted into it at load.
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
+        out = torch.ops.kvcache.update_and_attend(
+            q, k, v, input_pos, self.layer_id, 1.0 / math.sqrt(self.head_dim), x.dtype
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.attention = Attention(args, layer_id)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """``forward(tokens [1, T] int64, input_pos [T, 1] int64) -> logits [1, T, vocab] fp32``."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", _rope_inverse_frequencies(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        angles = input_pos.to(torch.float32) * self.inv_freq  # [T, head_dim / 2]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos)
+        return self.output(self.norm(x)).float()
+
+
+def init_deterministic(model: Transformer, seed: int = 0) -> Transformer:
+    """Small random weights from a fixed seed: a model that needs no download."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
+    return model
+
+
+def positions(start: int, width: int) -> torch.Tensor:
+    """The ``input_pos`` tensor for a step of ``width`` tokens starting at ``start``."""
+    return torch.arange(start, start + width, dtype=torch.long).unsqueeze(-1)
+
+
+def example_inputs(width: int = 4) -> tuple:
+    return (torch.zeros(1, width, dtype=torch.long), positions(0, width))
+
+
+def dynamic_shapes(max_write: int) -> dict:
+    t = torch.export.Dim("tokens", min=1, max=max_write)
+    return {"tokens": {1: t}, "input_pos": {0: t}}
+
+
+def policies(args: ModelArgs) -> Sequence[LayerPolicy]:
+    return args.layer_policies()

@@ -1,0 +1,53 @@
+"""Run-time face of offgraph-kv.
+
+Importing this module registers ``OffGraphKVBackend`` with the ExecuTorch
+runtime that ``executorch.runtime`` uses (one registry, one libexecutorch.so).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+# The compiled AOTI code links against libtorch; load it into the process first.
+import torch  # noqa: F401
+
+from offgraph_kv.runtime._runtime import Store, get_options, set_options, stores  # noqa: F401
+
+__all__ = ["Store", "configure", "stores", "options"]
+
+
+def configure(
+    initial_capacity: Optional[int] = None,
+    max_capacity: Optional[int] = None,
+    growth_factor: Optional[float] = None,
+) -> None:
+    """Override the export-time growth policy for methods loaded from now on.
+
+    Goes through ExecuTorch's backend-options mechanism (``set_option``), so a
+    C++ host does the same with ``executorch::runtime::set_option``. ``None``
+    restores the export-time default. A max above the compiled bound fails at
+    ``load_method``.
+    """
+    for name, value in (("initial_capacity", initial_capacity), ("max_capacity", max_capacity)):
+        if value is not None and not 1 <= int(value) < 2**31:
+            raise ValueError(f"{name} must be in [1, 2**31), got {value}")
+    if growth_factor is not None and not float(growth_factor) > 1.0:
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+    set_options(
+        int(initial_capacity or 0),
+        int(max_capacity or 0),
+        "" if growth_factor is None else repr(float(growth_factor)),
+    )
+
+
+def options() -> Dict[str, object]:
+    """The overrides now in force (0 / "" = export default)."""
+    return get_options()
+
+
+def latest_store() -> Store:
+    """The store of the most recently loaded method."""
+    live: List[Store] = stores()
+    if not live:
+        raise RuntimeError("no offgraph-kv method is loaded")
+    return live[-1]

@@ -1,0 +1,86 @@
+// CompiledProgram: the AOTInductor shared object of one delegate, its model
+// container, and the C-ABI tensor functions used to describe inputs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "aoti_abi.h"
+#include "status.h"
+
+namespace offgraph_kv {
+
+// AOTI dtype codes (c10::ScalarType numbering, which ExecuTorch shares).
+enum class AotiDType : int32_t { Int32 = 3, Int64 = 4, Float16 = 5, Float32 = 6, Bool = 11, BFloat16 = 15 };
+
+struct TensorDesc {
+  void* data = nullptr;
+  int32_t dtype = 0;  // c10::ScalarType code
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+};
+
+struct OutputView {
+  const void* data = nullptr;
+  int32_t dtype = 0;
+  std::vector<int64_t> sizes;
+};
+
+class CompiledProgram {
+ public:
+  // Writes `code` to a private temporary file, loads it and creates the
+  // container for `device` ("cpu" or "cuda").
+  static std::unique_ptr<CompiledProgram> load(const void* code, size_t size, const std::string& device,
+                                               Status* status);
+  ~CompiledProgram();
+  CompiledProgram(const CompiledProgram&) = delete;
+  CompiledProgram& operator=(const CompiledProgram&) = delete;
+
+  size_t num_inputs() const { return num_inputs_; }
+  size_t num_outputs() const { return num_outputs_; }
+
+  // Runs with the given inputs (memory borrowed, never owned by the program)
+  // and hands each output to `sink` before releasing it. `stream` may be null.
+  template <typename Sink>
+  Status run(const std::vector<TensorDesc>& inputs, void* stream, Sink&& sink);
+
+ private:
+  CompiledProgram() = default;
+  Status run_raw(const std::vector<TensorDesc>& inputs, void* stream, std::vector<AtenTensorHandle>* outputs);
+  Status describe(AtenTensorHandle h, OutputView* out) const;
+  void release(AtenTensorHandle h) const;
+
+  void* library_ = nullptr;
+  AOTInductorModelContainerHandle container_ = nullptr;
+  size_t num_inputs_ = 0;
+  size_t num_outputs_ = 0;
+  int32_t device_type_ = 0;
+  ContainerDeleteFn delete_container_ = nullptr;
+  ContainerRunFn run_ = nullptr;
+  GetLastErrorFn last_error_ = nullptr;
+  CreateTensorFromBlobFn from_blob_ = nullptr;
+  GetDataPtrFn data_ptr_ = nullptr;
+  GetInt64ArrayFn sizes_ = nullptr;
+  GetInt64Fn dim_ = nullptr;
+  GetInt32Fn dtype_ = nullptr;
+  DeleteTensorFn delete_tensor_ = nullptr;
+};
+
+template <typename Sink>
+Status CompiledProgram::run(const std::vector<TensorDesc>& inputs, void* stream, Sink&& sink) {
+  std::vector<AtenTensorHandle> outputs;
+  Status s = run_raw(inputs, stream, &outputs);
+  if (!s.ok()) return s;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    OutputView view;
+    if (s.ok()) s = describe(outputs[i], &view);
+    if (s.ok()) s = sink(i, view);
+    release(outputs[i]);  // outputs are ours to release, on every path
+  }
+  return s;
+}
+
+}  // namespace offgraph_kv

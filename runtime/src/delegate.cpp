@@ -1,0 +1,231 @@
+#include "delegate.h"
+
+#include <executorch/runtime/core/exec_aten/util/tensor_util.h>
+#include <executorch/runtime/platform/log.h>
+
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "compiled_program.h"
+#include "device_memory.h"
+#include "kv_store.h"
+#include "load_policy.h"
+#include "manifest_reader.h"
+#include "step_width.h"
+#include "store_registry.h"
+
+namespace offgraph_kv {
+
+using executorch::aten::SizesType;
+using executorch::aten::Tensor;
+using executorch::runtime::ArrayRef;
+using executorch::runtime::BackendExecutionContext;
+using executorch::runtime::BackendInitContext;
+using executorch::runtime::BackendOptionContext;
+using executorch::runtime::CompileSpec;
+using executorch::runtime::DelegateHandle;
+using executorch::runtime::EValue;
+using executorch::runtime::FreeableBuffer;
+using executorch::runtime::Result;
+
+namespace {
+
+struct DelegateState {
+  ManifestInfo manifest;
+  StepWidthLocator width_at;
+  std::unique_ptr<CompiledProgram> program;
+  std::shared_ptr<KVStore> store;
+  std::vector<TensorDesc> inputs;  // reused every step: no per-step allocation
+};
+
+Error fail(const Status& s, const char* stage) {
+  ET_LOG(Error, "OffGraphKVBackend %s: %s", stage, s.message().c_str());
+  return s.code();
+}
+
+Status find_step_width(ArrayRef<CompileSpec> specs, StepWidthLocator* out) {
+  for (const CompileSpec& spec : specs) {
+    if (std::strcmp(spec.key, "step_width") == 0) {
+      const std::string text(static_cast<const char*>(spec.value.buffer), spec.value.nbytes);
+      return parse_step_width(text, out);
+    }
+  }
+  return Status(Error::InvalidProgram, "compile spec step_width is missing; lower with OffGraphKVPartitioner");
+}
+
+std::shared_ptr<DeviceMemory> memory_for(DeviceKind device, Status* status) {
+  if (device == DeviceKind::CPU) return host_memory();
+  *status = Status(Error::NotSupported, "this build of the offgraph-kv runtime has no CUDA support");
+  return nullptr;
+}
+
+void describe_input(const Tensor& t, TensorDesc* d) {
+  d->data = t.mutable_data_ptr();
+  d->dtype = static_cast<int32_t>(t.scalar_type());
+  d->sizes.assign(t.sizes().begin(), t.sizes().end());
+  d->strides.assign(t.strides().begin(), t.strides().end());
+}
+
+// Pairs prepare_step with commit or abort on every exit of execute.
+class StepGuard {
+ public:
+  explicit StepGuard(KVStore& store) : store_(store) {}
+  ~StepGuard() {
+    if (!committed_) store_.abort_step();
+  }
+  void commit() {
+    store_.commit_step();
+    committed_ = true;
+  }
+
+ private:
+  KVStore& store_;
+  bool committed_ = false;
+};
+
+Status copy_output(size_t index, const OutputView& out, EValue* value) {
+  if (!value->isTensor()) return Status(Error::InvalidArgument, "output " + std::to_string(index) + " is not a tensor");
+  Tensor t = value->toTensor();
+  if (static_cast<int32_t>(t.scalar_type()) != out.dtype)
+    return Status(Error::InvalidArgument, "output " + std::to_string(index) + ": compiled dtype " +
+                                              std::to_string(out.dtype) + " differs from the method's " +
+                                              std::to_string(int(t.scalar_type())));
+  std::vector<SizesType> sizes(out.sizes.begin(), out.sizes.end());
+  if (executorch::runtime::resize_tensor(t, {sizes.data(), sizes.size()}) != Error::Ok)
+    return Status(Error::InvalidArgument, "output " + std::to_string(index) + " cannot take the compiled shape");
+  std::memcpy(t.mutable_data_ptr(), out.data, t.nbytes());
+  return Status::ok_status();
+}
+
+}  // namespace
+
+bool OffGraphKVDelegate::is_available() const { return true; }
+
+Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, FreeableBuffer* processed,
+                                                 ArrayRef<CompileSpec> compile_specs) const {
+  auto* raw = context.get_runtime_allocator()->allocateInstance<DelegateState>();
+  if (raw == nullptr) return Error::MemoryAllocationFailed;
+  // The runtime allocator owns the bytes; we own the object's lifetime.
+  std::unique_ptr<DelegateState, void (*)(DelegateState*)> state(new (raw) DelegateState(),
+                                                                 [](DelegateState* s) { s->~DelegateState(); });
+  Status s = read_manifest(processed->data(), processed->size(), &state->manifest);
+  processed->Free();
+  if (!s.ok()) return fail(s, "init");
+  const ManifestInfo& m = state->manifest;
+  if (!(s = check_target(m.target)).ok()) return fail(s, "init");
+  if (!(s = find_step_width(compile_specs, &state->width_at)).ok()) return fail(s, "init");
+  if (state->width_at.input_index >= m.num_user_inputs)
+    return fail(Status(Error::InvalidProgram, "compile spec step_width names input " +
+                                                  std::to_string(state->width_at.input_index) + ", but the delegate has " +
+                                                  std::to_string(m.num_user_inputs) + " inputs"),
+                "init");
+
+  const auto* data_map = context.get_named_data_map();
+  if (data_map == nullptr)
+    return fail(Status(Error::InvalidProgram, "no named data map: the compiled code cannot be found"), "init");
+  Result<FreeableBuffer> code = data_map->get_data(m.compiled_code_key.c_str());
+  if (!code.ok())
+    return fail(Status(code.error(), "compiled code '" + m.compiled_code_key + "' is not in the program's named data"),
+                "init");
+  state->program = CompiledProgram::load(code->data(), code->size(), m.device == DeviceKind::CUDA ? "cuda" : "cpu", &s);
+  code->Free();
+  if (!s.ok()) return fail(s, "init");
+  const size_t expected_inputs = m.num_user_inputs + m.tensors.size();
+  if (state->program->num_inputs() != expected_inputs || state->program->num_outputs() != m.num_outputs)
+    return fail(Status(Error::InvalidProgram,
+                       "manifest describes " + std::to_string(expected_inputs) + " inputs and " +
+                           std::to_string(m.num_outputs) + " outputs, the compiled code has " +
+                           std::to_string(state->program->num_inputs()) + " and " +
+                           std::to_string(state->program->num_outputs())),
+                "init");
+
+  const GrowthPolicy policy = resolve_policy(m.defaults, context.runtime_specs());
+  const std::string bad = policy.validate(m.capacity_bound);
+  if (!bad.empty()) return fail(Status(Error::InvalidArgument, "load policy: " + bad), "init");
+  auto memory = memory_for(m.device, &s);
+  if (!memory) return fail(s, "init");
+  std::unique_ptr<KVStore> store = KVStore::create(m.tensors, policy, m.max_write, memory, &s);
+  if (!store) return fail(s, "init");
+  state->store = std::move(store);
+  register_store(state->store);
+  state->inputs.resize(expected_inputs);
+  return state.release();
+}
+
+Error OffGraphKVDelegate::execute(BackendExecutionContext&, DelegateHandle* handle, Span<EValue*> args) const {
+  auto* state = static_cast<DelegateState*>(handle);
+  const ManifestInfo& m = state->manifest;
+  if (args.size() != size_t(m.num_user_inputs) + m.num_outputs)
+    return fail(Status(Error::InvalidArgument, "expected " + std::to_string(m.num_user_inputs) + " inputs and " +
+                                                   std::to_string(m.num_outputs) + " outputs, got " +
+                                                   std::to_string(args.size()) + " values"),
+                "execute");
+  // The width is the extent of the input the compile spec names: shape only.
+  const StepWidthLocator& at = state->width_at;
+  if (!args[at.input_index]->isTensor())
+    return fail(Status(Error::InvalidArgument, "step_width input " + std::to_string(at.input_index) + " is not a tensor"),
+                "execute");
+  const Tensor width_input = args[at.input_index]->toTensor();
+  if (at.dim >= size_t(width_input.dim()))
+    return fail(Status(Error::InvalidArgument, "step_width names dim " + std::to_string(at.dim) + " of input " +
+                                                   std::to_string(at.input_index) + ", which has " +
+                                                   std::to_string(width_input.dim()) + " dims"),
+                "execute");
+  const size_t width = size_t(width_input.size(at.dim));
+
+  KVStore& store = *state->store;
+  Status s = store.prepare_step(width);
+  if (!s.ok()) return fail(s, "execute");
+  StepGuard step(store);
+
+  for (size_t i = 0; i < m.num_user_inputs; ++i) {
+    if (!args[i]->isTensor())
+      return fail(Status(Error::InvalidArgument, "input " + std::to_string(i) + " is not a tensor"), "execute");
+    describe_input(args[i]->toTensor(), &state->inputs[i]);
+  }
+  const auto& tensors = store.tensors();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& t = tensors[i];
+    const Binding b = store.binding(i);
+    TensorDesc& d = state->inputs[t.compiled_input];
+    const int64_t h = t.num_heads, hd = t.head_dim;
+    d.data = b.data;
+    d.dtype = t.dtype == StorageDType::Float32   ? int32_t(AotiDType::Float32)
+              : t.dtype == StorageDType::Float16 ? int32_t(AotiDType::Float16)
+                                                 : int32_t(AotiDType::BFloat16);
+    d.sizes = {1, b.rows, h, hd};
+    d.strides = {b.rows * h * hd, h * hd, hd, 1};
+  }
+  s = state->program->run(state->inputs, nullptr, [&](size_t i, const OutputView& out) {
+    return copy_output(i, out, args[m.num_user_inputs + i]);
+  });
+  if (!s.ok()) return fail(s, "execute");
+  step.commit();
+  return Error::Ok;
+}
+
+void OffGraphKVDelegate::destroy(DelegateHandle* handle) const {
+  if (handle != nullptr) static_cast<DelegateState*>(handle)->~DelegateState();
+}
+
+Error OffGraphKVDelegate::set_option(BackendOptionContext&, const Span<BackendOption>& options) {
+  Status s = apply_options(options);
+  return s.ok() ? Error::Ok : fail(s, "set_option");
+}
+
+Error OffGraphKVDelegate::get_option(BackendOptionContext&, Span<BackendOption>& options) {
+  Status s = read_options(options);
+  return s.ok() ? Error::Ok : fail(s, "get_option");
+}
+
+Error register_delegate() {
+  static OffGraphKVDelegate delegate;
+  static executorch::runtime::Backend entry{kBackendName, &delegate};
+  static Error result = executorch::runtime::register_backend(entry);
+  return result;
+}
+
+}  // namespace offgraph_kv

@@ -1,0 +1,65 @@
+// Where KV storage lives. The store only ever allocates, copies and releases
+// through this face, so host and device storage share one growth path.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <utility>
+
+namespace offgraph_kv {
+
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  // nullptr when the allocation cannot be made.
+  virtual void* allocate(size_t bytes) = 0;
+  // Must not free while work that reads `ptr` may still be in flight.
+  virtual void release(void* ptr) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual const char* name() const = 0;
+};
+
+// 64-byte aligned host memory.
+std::shared_ptr<DeviceMemory> host_memory();
+
+// One allocation, released on destruction (RAII for every allocation).
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(std::shared_ptr<DeviceMemory> memory, void* ptr, size_t bytes)
+      : memory_(std::move(memory)), ptr_(ptr), bytes_(bytes) {}
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& other) noexcept { *this = std::move(other); }
+  Buffer& operator=(Buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      memory_ = std::move(other.memory_);
+      ptr_ = std::exchange(other.ptr_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  ~Buffer() { reset(); }
+
+  void reset() {
+    if (ptr_ != nullptr) memory_->release(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  void* data() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  std::shared_ptr<DeviceMemory> memory_;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Allocate through `memory`; an empty Buffer (data() == nullptr) on failure.
+inline Buffer allocate_buffer(const std::shared_ptr<DeviceMemory>& memory, size_t bytes) {
+  void* p = bytes == 0 ? nullptr : memory->allocate(bytes);
+  return p == nullptr ? Buffer() : Buffer(memory, p, bytes);
+}
+
+}  // namespace offgraph_kv

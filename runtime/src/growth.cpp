@@ -1,0 +1,33 @@
+#include "growth.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace offgraph_kv {
+
+std::string GrowthPolicy::validate(size_t capacity_bound) const {
+  if (max_capacity == 0) return "max_capacity must be positive";
+  if (max_capacity > capacity_bound)
+    return "max_capacity " + std::to_string(max_capacity) +
+           " exceeds what the compiled code supports (" +
+           std::to_string(capacity_bound) + " rows)";
+  if (initial_capacity == 0 || initial_capacity > max_capacity)
+    return "initial_capacity " + std::to_string(initial_capacity) +
+           " must be in [1, max_capacity=" + std::to_string(max_capacity) + "]";
+  if (!(growth_factor > 1.0) || !std::isfinite(growth_factor))
+    return "growth_factor " + std::to_string(growth_factor) + " must be > 1";
+  return {};
+}
+
+size_t next_capacity(const GrowthPolicy& policy, size_t current, size_t needed) {
+  if (needed > policy.max_capacity) return 0;
+  size_t cap = std::max<size_t>(current, 1);
+  while (cap < needed) {
+    // At least one more row, so factors close to 1 still make progress.
+    const double grown = std::ceil(static_cast<double>(cap) * policy.growth_factor);
+    cap = std::max(cap + 1, static_cast<size_t>(std::min(grown, 1e18)));
+  }
+  return std::min(cap, policy.max_capacity);
+}
+
+}  // namespace offgraph_kv

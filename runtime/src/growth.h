@@ -1,0 +1,22 @@
+// Growth policy of flat storage: pure arithmetic, no allocation.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+namespace offgraph_kv {
+
+struct GrowthPolicy {
+  size_t initial_capacity = 256;
+  size_t max_capacity = 0;  // hard bound on readable rows
+  double growth_factor = 2.0;
+
+  // Empty when valid, otherwise a message naming the offending field.
+  std::string validate(size_t capacity_bound) const;
+};
+
+// The capacity to grow to so that `needed` rows fit: geometric from `current`,
+// clamped at max_capacity. Returns 0 when `needed` exceeds max_capacity.
+size_t next_capacity(const GrowthPolicy& policy, size_t current, size_t needed);
+
+}  // namespace offgraph_kv

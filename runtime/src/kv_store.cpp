@@ -1,0 +1,184 @@
+#include "kv_store.h"
+
+#include <algorithm>
+#include <utility>
+
+namespace offgraph_kv {
+
+KVStore::KVStore(std::vector<TensorSpec> tensors, GrowthPolicy policy, size_t max_write,
+                 std::shared_ptr<DeviceMemory> memory)
+    : tensors_(std::move(tensors)),
+      policy_(policy),
+      max_write_(max_write),
+      memory_(std::move(memory)) {}
+
+std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, GrowthPolicy policy,
+                                         size_t max_write, std::shared_ptr<DeviceMemory> memory,
+                                         Status* status) {
+  std::unique_ptr<KVStore> store(
+      new KVStore(std::move(tensors), policy, max_write, std::move(memory)));
+  store->buffers_.resize(store->tensors_.size());
+  for (size_t i = 0; i < store->tensors_.size(); ++i) {
+    const TensorSpec& t = store->tensors_[i];
+    if (t.kind == LayerKind::Ring && t.window == 0) {
+      *status = Status(Error::InvalidProgram,
+                       "layer " + std::to_string(t.layer) + ": a ring needs a positive window");
+      return nullptr;
+    }
+    if (t.kind != LayerKind::Ring) continue;
+    const size_t bytes = store->rows_of(i, 0) * t.row_bytes();
+    store->buffers_[i] = allocate_buffer(store->memory_, bytes);
+    if (store->buffers_[i].data() == nullptr) {
+      *status = Status(Error::MemoryAllocationFailed,
+                       "layer " + std::to_string(t.layer) + ": cannot allocate " +
+                           std::to_string(bytes) + " bytes of ring storage");
+      return nullptr;
+    }
+    store->note_allocated(bytes);
+  }
+  Status s = store->resize_flat(policy.initial_capacity, 0);
+  if (!s.ok()) {
+    *status = s;
+    return nullptr;
+  }
+  store->capacity_ = policy.initial_capacity;
+  store->growths_ = 0;
+  *status = Status::ok_status();
+  return store;
+}
+
+bool KVStore::has_flat() const {
+  return std::any_of(tensors_.begin(), tensors_.end(),
+                     [](const TensorSpec& t) { return t.kind == LayerKind::Flat; });
+}
+
+bool KVStore::has_ring() const {
+  return std::any_of(tensors_.begin(), tensors_.end(),
+                     [](const TensorSpec& t) { return t.kind == LayerKind::Ring; });
+}
+
+size_t KVStore::rows_of(size_t i, size_t flat_capacity) const {
+  const TensorSpec& t = tensors_[i];
+  // A ring keeps window + max_write - 1 slots: a step of max_write tokens then
+  // never overwrites a position its own earliest query still needs.
+  return t.kind == LayerKind::Ring ? size_t(t.window) + max_write_ - 1 : flat_capacity;
+}
+
+size_t KVStore::bytes_at(size_t flat_capacity) const {
+  size_t total = 0;
+  for (size_t i = 0; i < tensors_.size(); ++i) total += rows_of(i, flat_capacity) * tensors_[i].row_bytes();
+  return total;
+}
+
+void KVStore::note_allocated(size_t bytes) {
+  allocated_ += bytes;
+  peak_ = std::max(peak_, allocated_);
+}
+
+Status KVStore::resize_flat(size_t new_capacity, size_t rows_to_keep) {
+  std::vector<Buffer> fresh(tensors_.size());
+  size_t fresh_bytes = 0;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].kind != LayerKind::Flat) continue;
+    const size_t bytes = new_capacity * tensors_[i].row_bytes();
+    fresh[i] = allocate_buffer(memory_, bytes);
+    if (fresh[i].data() == nullptr) {
+      // `fresh` releases what was made so far; the old storage is untouched.
+      return Status(Error::MemoryAllocationFailed,
+                    "layer " + std::to_string(tensors_[i].layer) + ": cannot allocate " +
+                        std::to_string(bytes) + " bytes to grow to " +
+                        std::to_string(new_capacity) + " rows");
+    }
+    fresh_bytes += bytes;
+  }
+  // Old and new coexist until the copy is done: that transient is the peak.
+  note_allocated(fresh_bytes);
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].kind != LayerKind::Flat) continue;
+    // Sequence-major rows: the committed prefix is one contiguous block.
+    if (rows_to_keep > 0) memory_->copy(fresh[i].data(), buffers_[i].data(), rows_to_keep * tensors_[i].row_bytes());
+    allocated_ -= buffers_[i].bytes();
+    buffers_[i] = std::move(fresh[i]);
+  }
+  capacity_ = new_capacity;
+  return Status::ok_status();
+}
+
+Status KVStore::prepare_step(size_t width) {
+  if (pending_ != 0) abort_step();
+  if (width == 0) return Status(Error::InvalidArgument, "step width is 0: a step must carry at least one token");
+  if (has_ring() && width > max_write_) {
+    return Status(Error::InvalidArgument,
+                  "step width " + std::to_string(width) + " exceeds max_write " +
+                      std::to_string(max_write_) +
+                      " (ring layers absorb at most max_write tokens per step); split the prefill into chunks");
+  }
+  const size_t needed = length_ + width;
+  if (needed > policy_.max_capacity) {
+    return Status(Error::InvalidArgument,
+                  "step of " + std::to_string(width) + " tokens at length " + std::to_string(length_) +
+                      " needs " + std::to_string(needed) + " rows, beyond max_capacity " +
+                      std::to_string(policy_.max_capacity) + " (" +
+                      std::to_string(policy_.max_capacity - length_) + " remaining)");
+  }
+  if (has_flat() && needed > capacity_) {
+    const size_t grown = next_capacity(policy_, capacity_, needed);
+    Status s = resize_flat(grown, length_);
+    if (!s.ok()) return s;
+    ++growths_;
+  }
+  pending_ = width;
+  return Status::ok_status();
+}
+
+void KVStore::commit_step() {
+  length_ += pending_;
+  pending_ = 0;
+}
+
+void KVStore::abort_step() { pending_ = 0; }
+
+Binding KVStore::binding(size_t i) const {
+  const TensorSpec& t = tensors_[i];
+  if (t.kind == LayerKind::Ring) return {buffers_[i].data(), int64_t(rows_of(i, capacity_))};
+  return {buffers_[i].data(), int64_t(length_ + pending_)};
+}
+
+const void* KVStore::row_data(size_t i, size_t row) const {
+  return static_cast<const char*>(buffers_[i].data()) + row * tensors_[i].row_bytes();
+}
+
+Status KVStore::reset(bool release_memory) {
+  pending_ = 0;
+  length_ = 0;
+  if (release_memory && capacity_ != policy_.initial_capacity) {
+    Status s = resize_flat(policy_.initial_capacity, 0);
+    if (!s.ok()) return s;
+    peak_ = allocated_;
+    growths_ = 0;
+  }
+  return Status::ok_status();
+}
+
+StoreMetrics KVStore::metrics() const {
+  StoreMetrics m;
+  m.length = length_;
+  m.capacity = capacity_;
+  m.allocated_bytes = allocated_;
+  m.peak_bytes = peak_;
+  m.growths = growths_;
+  m.dtype = tensors_.empty() ? StorageDType::BFloat16 : tensors_[0].dtype;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const TensorSpec& t = tensors_[i];
+    auto it = std::find_if(m.layers.begin(), m.layers.end(),
+                           [&](const LayerMetrics& l) { return l.layer == t.layer; });
+    if (it == m.layers.end()) {
+      m.layers.push_back({t.layer, t.kind, t.window, rows_of(i, capacity_), 0});
+      it = m.layers.end() - 1;
+    }
+    it->bytes += buffers_[i].bytes();
+  }
+  return m;
+}
+
+}  // namespace offgraph_kv

@@ -1,0 +1,118 @@
+// KVStore: the KV storage one loaded method owns, and its step transitions.
+//
+//   idle --prepare_step(w)--> prepared(w) --commit_step--> idle (length += w)
+//                                  \--------abort_step----> idle (length kept)
+//
+// prepare_step does everything that can fail (checks, growth) before the
+// compiled code runs; commit_step cannot fail. A step that is rejected or whose
+// run fails is aborted, so `length` and every committed row stay as they were.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "device_memory.h"
+#include "growth.h"
+#include "status.h"
+#include "storage_dtype.h"
+
+namespace offgraph_kv {
+
+enum class LayerKind : int8_t { Flat = 0, Ring = 1 };
+enum class TensorRole : int8_t { Key = 0, Value = 1 };
+
+struct TensorSpec {
+  uint32_t layer = 0;
+  TensorRole role = TensorRole::Key;
+  LayerKind kind = LayerKind::Flat;
+  uint32_t window = 0;
+  uint32_t num_heads = 0;
+  uint32_t head_dim = 0;
+  StorageDType dtype = StorageDType::BFloat16;
+  uint32_t compiled_input = 0;
+
+  size_t row_bytes() const { return size_t(num_heads) * head_dim * element_size(dtype); }
+};
+
+// What the compiled code sees for one private tensor: [1, rows, H, D], dense.
+struct Binding {
+  void* data = nullptr;
+  int64_t rows = 0;
+};
+
+struct LayerMetrics {
+  uint32_t layer;
+  LayerKind kind;
+  uint32_t window;
+  size_t rows;   // capacity (flat) or slots (ring)
+  size_t bytes;  // K and V together
+};
+
+struct StoreMetrics {
+  size_t length = 0;
+  size_t capacity = 0;
+  size_t allocated_bytes = 0;
+  size_t peak_bytes = 0;
+  size_t growths = 0;
+  StorageDType dtype = StorageDType::BFloat16;
+  std::vector<LayerMetrics> layers;
+};
+
+class KVStore {
+ public:
+  // Allocates every tensor at its initial size (rings at their full size).
+  static std::unique_ptr<KVStore> create(std::vector<TensorSpec> tensors, GrowthPolicy policy,
+                                         size_t max_write, std::shared_ptr<DeviceMemory> memory,
+                                         Status* status);
+
+  // Check the step and make room for it; nothing committed changes on failure.
+  Status prepare_step(size_t width);
+  // Make the prepared step's rows part of the history.
+  void commit_step();
+  // Forget the prepared step (its rows were never committed).
+  void abort_step();
+
+  // The view the compiled code binds for tensor i during a prepared step.
+  Binding binding(size_t i) const;
+
+  // Drop the history; with release_memory, shrink back to the initial allocation.
+  Status reset(bool release_memory);
+
+  StoreMetrics metrics() const;
+  size_t length() const { return length_; }
+  size_t capacity() const { return capacity_; }
+  size_t pending_width() const { return pending_; }
+  const std::vector<TensorSpec>& tensors() const { return tensors_; }
+  const GrowthPolicy& policy() const { return policy_; }
+  // Read committed row `row` of tensor i (host memory only; for tests).
+  const void* row_data(size_t i, size_t row) const;
+
+ private:
+  KVStore(std::vector<TensorSpec> tensors, GrowthPolicy policy, size_t max_write,
+          std::shared_ptr<DeviceMemory> memory);
+  size_t rows_of(size_t i, size_t flat_capacity) const;
+  size_t bytes_at(size_t flat_capacity) const;
+  // All-or-nothing: either every flat tensor moves to `new_capacity` with its
+  // committed rows, or nothing changes.
+  Status resize_flat(size_t new_capacity, size_t rows_to_keep);
+  void note_allocated(size_t bytes);
+  bool has_flat() const;
+  bool has_ring() const;
+
+  std::vector<TensorSpec> tensors_;
+  std::vector<Buffer> buffers_;
+  GrowthPolicy policy_;
+  size_t max_write_;
+  std::shared_ptr<DeviceMemory> memory_;
+  size_t length_ = 0;
+  size_t capacity_ = 0;  // rows of every flat tensor
+  size_t pending_ = 0;   // width of the prepared step, 0 when idle
+  size_t allocated_ = 0;
+  size_t peak_ = 0;
+  size_t growths_ = 0;
+};
+
+}  // namespace offgraph_kv

@@ -1,0 +1,115 @@
+#include "load_policy.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <variant>
+
+namespace offgraph_kv {
+
+namespace {
+
+struct Overrides {
+  size_t initial_capacity = 0;
+  size_t max_capacity = 0;
+  double growth_factor = 0;
+};
+
+std::mutex& overrides_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+Overrides& overrides() {
+  static Overrides o;
+  return o;
+}
+
+// Parses one option into `o`; false with a message when key or type is wrong.
+bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
+  const std::string key = opt.key;
+  if (key == "initial_capacity" || key == "max_capacity") {
+    const int* v = std::get_if<int>(&opt.value);
+    if (v == nullptr || *v < 0) {
+      *why = "backend option " + key + " must be a non-negative int";
+      return false;
+    }
+    (key == "initial_capacity" ? o->initial_capacity : o->max_capacity) = size_t(*v);
+    return true;
+  }
+  if (key == "growth_factor") {
+    const auto* s = std::get_if<std::array<char, executorch::runtime::kMaxOptionValueLength>>(&opt.value);
+    if (s == nullptr) {
+      *why = "backend option growth_factor must be a string such as \"1.5\"";
+      return false;
+    }
+    const char* text = s->data();
+    if (*text == '\0') {
+      o->growth_factor = 0;
+      return true;
+    }
+    char* end = nullptr;
+    const double f = std::strtod(text, &end);
+    if (end == text || *end != '\0' || !(f > 1.0)) {
+      *why = std::string("backend option growth_factor '") + text + "' must be a number > 1";
+      return false;
+    }
+    o->growth_factor = f;
+    return true;
+  }
+  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor)";
+  return false;
+}
+
+void merge(const Overrides& o, GrowthPolicy* p) {
+  if (o.initial_capacity) p->initial_capacity = o.initial_capacity;
+  if (o.max_capacity) p->max_capacity = o.max_capacity;
+  if (o.growth_factor > 0) p->growth_factor = o.growth_factor;
+}
+
+}  // namespace
+
+Status apply_options(Span<BackendOption> options) {
+  std::lock_guard<std::mutex> lock(overrides_mutex());
+  Overrides next = overrides();
+  std::string why;
+  for (const BackendOption& opt : options) {
+    if (!apply_one(opt, &next, &why)) return Status(Error::InvalidArgument, why);
+  }
+  overrides() = next;  // all or nothing
+  return Status::ok_status();
+}
+
+Status read_options(Span<BackendOption> options) {
+  std::lock_guard<std::mutex> lock(overrides_mutex());
+  const Overrides& o = overrides();
+  for (BackendOption& opt : options) {
+    const std::string key = opt.key;
+    if (key == "initial_capacity") opt.value = int(o.initial_capacity);
+    else if (key == "max_capacity") opt.value = int(o.max_capacity);
+    else if (key == "growth_factor") {
+      std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
+      if (o.growth_factor > 0) std::snprintf(text.data(), text.size(), "%g", o.growth_factor);
+      opt.value = text;
+    } else {
+      return Status(Error::InvalidArgument, "unknown backend option '" + key + "'");
+    }
+  }
+  return Status::ok_status();
+}
+
+GrowthPolicy resolve_policy(const GrowthPolicy& defaults, Span<const BackendOption> runtime_specs) {
+  GrowthPolicy p = defaults;
+  {
+    std::lock_guard<std::mutex> lock(overrides_mutex());
+    merge(overrides(), &p);
+  }
+  Overrides per_load;
+  std::string ignored;
+  for (const BackendOption& opt : runtime_specs) apply_one(opt, &per_load, &ignored);
+  merge(per_load, &p);
+  return p;
+}
+
+}  // namespace offgraph_kv

@@ -1,0 +1,104 @@
+#include "manifest_reader.h"
+
+#include <set>
+
+#include "manifest_generated.h"
+
+namespace offgraph_kv {
+
+namespace fb = offgraph_kv::schema;
+
+namespace {
+Status invalid(const std::string& what) {
+  return Status(Error::InvalidProgram, "manifest: " + what);
+}
+}  // namespace
+
+Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
+  if (data == nullptr || size < 8) return invalid("truncated (" + std::to_string(size) + " bytes)");
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  if (!fb::ManifestBufferHasIdentifier(bytes))
+    return invalid("missing the 'OGKV' file identifier; not an offgraph-kv manifest");
+  flatbuffers::Verifier verifier(bytes, size);
+  // Also rejects a manifest missing a required field (target, code key, tensors).
+  if (!fb::VerifyManifestBuffer(verifier))
+    return invalid("corrupt or truncated FlatBuffer, or a required field is missing");
+  const fb::Manifest* m = fb::GetManifest(bytes);
+  if (m->version() != kManifestVersion)
+    return invalid("version " + std::to_string(m->version()) + " is not supported (this runtime reads version " +
+                   std::to_string(kManifestVersion) + ")");
+  if (m->layout() != fb::Layout::SequenceMajor) return invalid("unknown layout " + std::to_string(int(m->layout())));
+  if (m->device() != fb::Device::CPU && m->device() != fb::Device::CUDA)
+    return invalid("unknown device " + std::to_string(int(m->device())));
+  if (m->batch() != 1) return invalid("batch " + std::to_string(m->batch()) + " is not supported (expected 1)");
+  if (m->max_write() == 0) return invalid("max_write is 0");
+  if (m->capacity_bound() == 0) return invalid("capacity_bound is 0");
+  if (m->tensors()->size() == 0) return invalid("no private tensors");
+
+  out->version = m->version();
+  out->device = m->device() == fb::Device::CUDA ? DeviceKind::CUDA : DeviceKind::CPU;
+  out->target = m->target()->str();
+  out->batch = m->batch();
+  out->num_user_inputs = m->num_user_inputs();
+  out->num_outputs = m->num_outputs();
+  out->max_write = m->max_write();
+  out->capacity_bound = m->capacity_bound();
+  out->defaults.initial_capacity = m->initial_capacity();
+  out->defaults.max_capacity = m->max_capacity();
+  out->defaults.growth_factor = m->growth_factor();
+  out->compiled_code_key = m->compiled_code_key()->str();
+  out->tensors.clear();
+
+  std::set<uint32_t> inputs;
+  const uint32_t num_inputs = out->num_user_inputs + m->tensors()->size();
+  for (uint32_t i = 0; i < m->tensors()->size(); ++i) {
+    const fb::PrivateTensor* p = m->tensors()->Get(i);
+    const std::string where = "tensor " + std::to_string(i) + " (layer " + std::to_string(p->layer()) + ")";
+    if (!is_supported(int(p->storage_dtype())))
+      return invalid(where + ": storage dtype " + std::to_string(int(p->storage_dtype())) +
+                     " is not supported by this build (fp32, fp16, bf16)");
+    if (p->kind() != fb::LayerKind::Flat && p->kind() != fb::LayerKind::Ring)
+      return invalid(where + ": unknown layer kind " + std::to_string(int(p->kind())));
+    if (p->role() != fb::TensorRole::Key && p->role() != fb::TensorRole::Value)
+      return invalid(where + ": unknown role " + std::to_string(int(p->role())));
+    if (p->kind() == fb::LayerKind::Ring && p->window() == 0) return invalid(where + ": ring with window 0");
+    if (p->kind() == fb::LayerKind::Flat && p->window() != 0) return invalid(where + ": flat layer with a window");
+    if (p->num_heads() == 0 || p->head_dim() == 0) return invalid(where + ": zero heads or head dim");
+    if (p->compiled_input() < out->num_user_inputs || p->compiled_input() >= num_inputs)
+      return invalid(where + ": compiled_input " + std::to_string(p->compiled_input()) + " outside [" +
+                     std::to_string(out->num_user_inputs) + ", " + std::to_string(num_inputs) + ")");
+    if (!inputs.insert(p->compiled_input()).second)
+      return invalid(where + ": compiled_input " + std::to_string(p->compiled_input()) + " bound twice");
+    TensorSpec t;
+    t.layer = p->layer();
+    t.role = p->role() == fb::TensorRole::Key ? TensorRole::Key : TensorRole::Value;
+    t.kind = p->kind() == fb::LayerKind::Ring ? LayerKind::Ring : LayerKind::Flat;
+    t.window = p->window();
+    t.num_heads = p->num_heads();
+    t.head_dim = p->head_dim();
+    t.dtype = static_cast<StorageDType>(p->storage_dtype());
+    t.compiled_input = p->compiled_input();
+    if (!out->tensors.empty() && t.dtype != out->tensors.front().dtype)
+      return invalid(where + ": mixed storage dtypes in one store");
+    out->tensors.push_back(t);
+  }
+  return Status::ok_status();
+}
+
+Status check_target(const std::string& target) {
+  if (target.rfind("cpu:", 0) != 0) return Status::ok_status();
+  const std::string isa = target.substr(4);
+  bool ok = true;
+#if defined(__x86_64__) || defined(__i386__)
+  if (isa.rfind("avx512", 0) == 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  else if (isa.rfind("avx2", 0) == 0) ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  if (isa.rfind("avx", 0) == 0) ok = false;
+#endif
+  if (!ok)
+    return Status(Error::NotSupported, "compiled code targets " + target +
+                                           ", which this CPU does not support; export on (or for) the machine that runs it");
+  return Status::ok_status();
+}
+
+}  // namespace offgraph_kv

@@ -1,0 +1,39 @@
+// Reads and validates the manifest FlatBuffer (generated from schemas/manifest.fbs).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kv_store.h"
+#include "status.h"
+
+namespace offgraph_kv {
+
+constexpr uint32_t kManifestVersion = 1;
+
+enum class DeviceKind : int8_t { CPU = 0, CUDA = 1 };
+
+struct ManifestInfo {
+  uint32_t version = 0;
+  DeviceKind device = DeviceKind::CPU;
+  std::string target;
+  uint32_t batch = 1;
+  uint32_t num_user_inputs = 0;
+  uint32_t num_outputs = 0;
+  uint32_t max_write = 0;
+  uint64_t capacity_bound = 0;
+  GrowthPolicy defaults;
+  std::string compiled_code_key;
+  std::vector<TensorSpec> tensors;
+};
+
+// Verifies the buffer, checks the version and every field; the message names
+// the first problem found.
+Status read_manifest(const void* data, size_t size, ManifestInfo* out);
+
+// Whether code compiled for `target` (e.g. "cpu:avx512") can run here.
+Status check_target(const std::string& target);
+
+}  // namespace offgraph_kv

@@ -1,0 +1,111 @@
+// Python face of the runtime: importing registers the delegate; stores() and
+// configure() are the control face for a Python host.
+#include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/platform/runtime.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+
+#include "delegate.h"
+#include "kv_store.h"
+#include "store_registry.h"
+
+namespace py = pybind11;
+using namespace offgraph_kv;
+
+namespace {
+
+const char* kind_name(LayerKind k) { return k == LayerKind::Ring ? "ring" : "flat"; }
+
+py::dict metrics_dict(const KVStore& store) {
+  const StoreMetrics m = store.metrics();
+  py::list layers;
+  for (const LayerMetrics& l : m.layers) {
+    py::dict d;
+    d["layer"] = l.layer;
+    d["kind"] = kind_name(l.kind);
+    d["window"] = l.window;
+    d["rows"] = l.rows;
+    d["bytes"] = l.bytes;
+    layers.append(d);
+  }
+  py::dict d;
+  d["length"] = m.length;
+  d["capacity"] = m.capacity;
+  d["allocated_bytes"] = m.allocated_bytes;
+  d["peak_bytes"] = m.peak_bytes;
+  d["growths"] = m.growths;
+  d["storage_dtype"] = dtype_name(m.dtype);
+  d["max_capacity"] = store.policy().max_capacity;
+  d["initial_capacity"] = store.policy().initial_capacity;
+  d["growth_factor"] = store.policy().growth_factor;
+  d["layers"] = layers;
+  return d;
+}
+
+executorch::runtime::BackendOption make_int(const char* key, int value) {
+  executorch::runtime::BackendOption o{};
+  std::strncpy(o.key, key, sizeof(o.key) - 1);
+  o.value = value;
+  return o;
+}
+
+executorch::runtime::BackendOption make_text(const char* key, const std::string& value) {
+  executorch::runtime::BackendOption o{};
+  std::strncpy(o.key, key, sizeof(o.key) - 1);
+  std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
+  std::strncpy(text.data(), value.c_str(), text.size() - 1);
+  o.value = text;
+  return o;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_runtime, m) {
+  m.doc() = "offgraph-kv runtime: the OffGraphKVBackend delegate and its control face";
+  executorch::runtime::runtime_init();
+  const auto err = register_delegate();
+  if (err != executorch::runtime::Error::Ok)
+    throw std::runtime_error("could not register OffGraphKVBackend with the ExecuTorch runtime (error " +
+                             std::to_string(int(err)) + ")");
+
+  py::class_<KVStore, std::shared_ptr<KVStore>>(m, "Store", "The KV storage one loaded method owns.")
+      .def("metrics", &metrics_dict, "length, capacity, bytes allocated and peak, growths, per-layer rows and bytes")
+      .def(
+          "reset",
+          [](KVStore& s, bool release_memory) {
+            Status st = s.reset(release_memory);
+            if (!st.ok()) throw std::runtime_error(st.message());
+          },
+          py::arg("release_memory") = false, "Forget the history; optionally shrink to the initial allocation.")
+      .def_property_readonly("length", &KVStore::length)
+      .def_property_readonly("capacity", &KVStore::capacity);
+
+  m.def("stores", &live_stores, "The stores of the methods loaded in this process, oldest first.");
+  m.def(
+      "set_options",
+      [](int initial_capacity, int max_capacity, const std::string& growth_factor) {
+        executorch::runtime::BackendOption opts[] = {
+            make_int("initial_capacity", initial_capacity),
+            make_int("max_capacity", max_capacity),
+            make_text("growth_factor", growth_factor),
+        };
+        const auto e = executorch::runtime::set_option(kBackendName, {opts, 3});
+        if (e != executorch::runtime::Error::Ok)
+          throw std::invalid_argument("OffGraphKVBackend rejected the options (error " + std::to_string(int(e)) +
+                                      "; see the log for which)");
+      },
+      py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"));
+  m.def("get_options", []() {
+    executorch::runtime::BackendOption opts[] = {make_int("initial_capacity", 0), make_int("max_capacity", 0),
+                                                 make_text("growth_factor", "")};
+    const auto e = executorch::runtime::get_option(kBackendName, {opts, 3});
+    if (e != executorch::runtime::Error::Ok) throw std::runtime_error("get_option failed");
+    py::dict d;
+    d["initial_capacity"] = std::get<int>(opts[0].value);
+    d["max_capacity"] = std::get<int>(opts[1].value);
+    d["growth_factor"] = std::string(std::get<2>(opts[2].value).data());
+    return d;
+  });
+}
