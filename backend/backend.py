@@ -16,6 +16,7 @@ from torch.export import Dim, ExportedProgram
 from offgraph_kv.backend.aoti_compile import compile_shared_object, target_of
 from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError, find_sites
 from offgraph_kv.backend.compile_specs import BackendSpecs
+from offgraph_kv.backend.edge_to_aten import edge_to_aten
 from offgraph_kv.backend.private_tensors import (
     PrivateTensorProgram,
     bind_private_tensors,
@@ -135,14 +136,14 @@ class OffGraphKVBackend(BackendDetails):
         locate(sites, [n.meta["val"].shape for n in inputs], specs.step_width)
 
         examples, dyn = _examples_and_dims(edge_program, inputs, sites[0].width)
-        program = edge_program.module()
+        program = edge_to_aten(edge_program.module())
         bind_private_tensors(program)
         wrapper = PrivateTensorProgram(program, len(inputs), len(sites))
         rows = Dim("kv_rows", min=1, max=specs.capacity_bound)
         private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, "cpu")
         dyn = dyn + [{1: rows} for _ in private]
         with torch.no_grad():
-            compiled_ep = torch.export.export(wrapper, tuple(examples + private), dynamic_shapes=tuple(dyn), strict=False)
+            compiled_ep = torch.export.export(wrapper, tuple(examples + private), dynamic_shapes={"args": tuple(dyn)}, strict=False)
         num_outputs = len(compiled_ep.graph_signature.user_outputs)
 
         device = specs.device
