@@ -125,7 +125,9 @@ Status CompiledProgram::run_raw(const std::vector<TensorDesc>& inputs, void* str
     const char* msg = nullptr;
     if (last_error_ != nullptr) last_error_(&msg);
     outputs->clear();
-    return Status(Error::Internal, std::string("compiled code failed: ") + (msg && *msg ? msg : "(no message)"));
+    std::string text = msg && *msg ? msg : "(no message)";
+    text = text.substr(0, text.find('\n'));  // the cause, not torch's frame dump
+    return Status(Error::Internal, "compiled code failed: " + text);
   }
   return Status::ok_status();
 }

@@ -1,0 +1,468 @@
+"""Load Llama checkpoints (Meta and Hugging Face formats) onto ``model.Transformer``.
+
+Both loaders are strict: every checkpoint tensor must map onto a model tensor of
+the same shape and every model tensor must be provided, otherwise a ``ValueError``
+names the first offending tensor. A silently half-loaded model produces plausible
+garbage, which is much harder to debug than a refusal.
+
+Meta checkpoints (``consolidated.*.pth`` + ``params.json``) store q/k projections
+in the interleaved RoPE layout; ``model.py`` rotates with the half-split (Hugging
+Face) convention, so wq/wk are permuted at load exactly as Hugging Face's
+``convert_llama_weights_to_hf`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from model import ModelArgs, Transformer, _rope_inverse_frequencies
+
+DTYPES: Dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
+
+# Tensors some checkpoints carry that are derived, not learned: model.py
+# recomputes them from the config, so they are dropped rather than "unused".
+_DERIVED = re.compile(r"(^rope\.freqs$)|(\.rotary_emb\.inv_freq$)")
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A model with its weights, plus where they came from (for the export sidecar)."""
+
+    model: Transformer
+    args: ModelArgs
+    source: Dict[str, object]
+    dtype: torch.dtype
+    # Token ids that end generation according to the checkpoint's own config.
+    stop_token_ids: List[int] = field(default_factory=list)
+    bos_token_id: Optional[int] = None
+
+
+def parse_dtype(name: "str | torch.dtype | None") -> Optional[torch.dtype]:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(set(DTYPES))}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+# --------------------------------------------------------------------------- #
+# RoPE layout permutation (Meta interleaved <-> Hugging Face half-split)
+# --------------------------------------------------------------------------- #
+
+
+def permute_interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the output rows of a Meta q/k projection for half-split RoPE.
+
+    Meta rotates pairs (2i, 2i+1) of each head; the half-split rotation pairs
+    (i, i + head_dim/2). Same as ``permute`` in HF's convert_llama_weights_to_hf.
+    """
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`permute_interleaved_to_half` (writes Meta-layout q/k)."""
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+# --------------------------------------------------------------------------- #
+# Strict mapping onto the model
+# --------------------------------------------------------------------------- #
+
+
+def _expected_shapes(args: ModelArgs) -> Dict[str, torch.Size]:
+    with torch.device("meta"):
+        model = Transformer(args)
+    # state_dict lists a tied weight under both names; both are expected.
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def _common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype most of the checkpoint's floating-point bytes are stored in."""
+    totals: Dict[torch.dtype, int] = {}
+    for t in tensors:
+        if t.is_floating_point():
+            totals[t.dtype] = totals.get(t.dtype, 0) + t.numel()
+    if not totals:
+        raise ValueError("the checkpoint holds no floating-point tensors")
+    return max(totals, key=totals.__getitem__)
+
+
+def build_model(
+    args: ModelArgs,
+    state: Mapping[str, torch.Tensor],
+    dtype: Optional[torch.dtype] = None,
+    source_names: Optional[Mapping[str, str]] = None,
+) -> Tuple[Transformer, torch.dtype]:
+    """Build ``Transformer(args)`` holding exactly ``state`` (names in model.py's scheme).
+
+    ``source_names`` maps a model name back to the checkpoint's own name, so that
+    errors speak the checkpoint's language. Weights stay in the checkpoint dtype
+    unless ``dtype`` is given.
+    """
+    names = dict(source_names or {})
+
+    def label(key: str) -> str:
+        src = names.get(key)
+        return f"{src!r} (model tensor {key!r})" if src and src != key else repr(key)
+
+    expected = _expected_shapes(args)
+    for key, tensor in state.items():
+        if key not in expected:
+            raise ValueError(f"checkpoint tensor {label(key)} is not used by the model")
+        if tuple(tensor.shape) != tuple(expected[key]):
+            raise ValueError(
+                f"checkpoint tensor {label(key)} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(expected[key])}"
+            )
+    for key in expected:
+        if key not in state:
+            raise ValueError(f"checkpoint is missing tensor {label(key)}")
+
+    target = dtype or _common_dtype(state.values())
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.load_state_dict({k: v.to(target) for k, v in state.items()}, strict=True, assign=True)
+    if args.tie_embeddings:
+        # assign=True replaced the two entries separately; restore the tie.
+        model.output.weight = model.tok_embeddings.weight
+    # Non-persistent buffer, still on the meta device: recompute it for real.
+    model.inv_freq = _rope_inverse_frequencies(args)
+    return model.eval(), target
+
+
+# --------------------------------------------------------------------------- #
+# Meta format
+# --------------------------------------------------------------------------- #
+
+# params.json keys that change the architecture in ways model.py does not have.
+_META_UNSUPPORTED = ("moe", "num_experts", "use_qk_norm", "attention_qkv_bias", "use_hf_rope")
+
+# Concatenation dim of each tensor across model-parallel shards (None: replicated).
+_META_SHARD_DIM = [
+    (re.compile(r"^tok_embeddings\.weight$"), 1),
+    (re.compile(r"\.attention\.w[qkv]\.weight$"), 0),
+    (re.compile(r"\.attention\.wo\.weight$"), 1),
+    (re.compile(r"\.feed_forward\.w[13]\.weight$"), 0),
+    (re.compile(r"\.feed_forward\.w2\.weight$"), 1),
+    (re.compile(r"^output\.weight$"), 0),
+]
+
+
+def _meta_shard_dim(name: str) -> Optional[int]:
+    for pattern, dim in _META_SHARD_DIM:
+        if pattern.search(name):
+            return dim
+    return None
+
+
+def meta_args(params: Mapping[str, object], vocab_size: Optional[int] = None) -> ModelArgs:
+    """ModelArgs from a Meta ``params.json`` (``vocab_size: -1`` is taken from the weights)."""
+    for key in _META_UNSUPPORTED:
+        if params.get(key):
+            raise ValueError(f"params.json sets {key!r}, which this Llama model does not implement")
+    vocab = int(params.get("vocab_size", -1))
+    if vocab <= 0:
+        if vocab_size is None:
+            raise ValueError("params.json has no vocab_size and no tok_embeddings.weight to infer it from")
+        vocab = vocab_size
+    rope_scaling = None
+    if params.get("use_scaled_rope"):
+        # Meta's Llama 3.1+ scaling; factor 8 unless the params say otherwise
+        # (ExecuTorch's params for Llama 3.2 1B/3B set rope_scale_factor 32).
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": float(params.get("rope_scale_factor", 8.0)),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    n_heads = int(params["n_heads"])
+    return ModelArgs(
+        dim=int(params["dim"]),
+        n_layers=int(params["n_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(params.get("n_kv_heads") or n_heads),
+        vocab_size=vocab,
+        hidden_dim=int(params["hidden_dim"]) if params.get("hidden_dim") else None,
+        multiple_of=int(params.get("multiple_of", 256)),
+        ffn_dim_multiplier=float(params["ffn_dim_multiplier"]) if params.get("ffn_dim_multiplier") else None,
+        norm_eps=float(params.get("norm_eps", 1e-5)),
+        rope_theta=float(params.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_embeddings=False,
+    )
+
+
+def _meta_shards(checkpoint: Path) -> List[Path]:
+    if checkpoint.is_dir():
+        shards = sorted(checkpoint.glob("consolidated*.pth"))
+        if not shards:
+            raise FileNotFoundError(f"no consolidated*.pth in {checkpoint}")
+        return shards
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
+    return [checkpoint]
+
+
+def _merge_meta_shards(shards: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    if len(shards) == 1:
+        return shards[0]
+    names = list(shards[0])
+    for i, shard in enumerate(shards[1:], start=1):
+        if set(shard) != set(names):
+            odd = sorted(set(shard) ^ set(names))[0]
+            raise ValueError(f"model-parallel shard {i} disagrees with shard 0 on tensor {odd!r}")
+    merged = {}
+    for name in names:
+        dim = _meta_shard_dim(name)
+        merged[name] = shards[0][name] if dim is None else torch.cat([s[name] for s in shards], dim=dim)
+    return merged
+
+
+def load_meta(
+    checkpoint: "str | Path",
+    params: "str | Path | None" = None,
+    dtype: "str | torch.dtype | None" = None,
+) -> LoadedCheckpoint:
+    """Load ``consolidated*.pth`` (a file, or a directory of model-parallel shards) + ``params.json``."""
+    checkpoint = Path(checkpoint)
+    shards = _meta_shards(checkpoint)
+    params_path = Path(params) if params else shards[0].parent / "params.json"
+    if not params_path.is_file():
+        raise FileNotFoundError(f"params file {params_path} does not exist (pass --params)")
+    raw = json.loads(params_path.read_text())
+    state = _merge_meta_shards(
+        [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in shards]
+    )
+    state = {k: v for k, v in state.items() if not _DERIVED.search(k)}
+    emb = state.get("tok_embeddings.weight")
+    args = meta_args(raw, vocab_size=emb.shape[0] if emb is not None else None)
+
+    # Shapes are checked before the permutation (which needs them right).
+    expected = _expected_shapes(args)
+    for key, tensor in state.items():
+        if key in expected and tuple(tensor.shape) != tuple(expected[key]):
+            raise ValueError(
+                f"checkpoint tensor {key!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[key])}"
+            )
+    for key in list(state):
+        if key.endswith(".attention.wq.weight"):
+            state[key] = permute_interleaved_to_half(state[key], args.n_heads)
+        elif key.endswith(".attention.wk.weight"):
+            state[key] = permute_interleaved_to_half(state[key], args.n_kv_heads)
+    model, target = build_model(args, state, parse_dtype(dtype))
+    return LoadedCheckpoint(
+        model=model,
+        args=args,
+        source={"format": "meta", "checkpoint": str(checkpoint.resolve()), "params": str(params_path.resolve())},
+        dtype=target,
+    )
+
+
+def to_meta_state_dict(model: Transformer) -> Dict[str, torch.Tensor]:
+    """``model``'s weights in Meta's layout and names (what ``load_meta`` reads back)."""
+    args = model.args
+    out = {}
+    for key, tensor in model.state_dict().items():
+        t = tensor.detach().clone()
+        if key.endswith(".attention.wq.weight"):
+            t = permute_half_to_interleaved(t, args.n_heads)
+        elif key.endswith(".attention.wk.weight"):
+            t = permute_half_to_interleaved(t, args.n_kv_heads)
+        out[key] = t
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Hugging Face format
+# --------------------------------------------------------------------------- #
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_HF_TOP_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def hf_to_model_name(name: str) -> Optional[str]:
+    """model.py's name for a Hugging Face Llama tensor name, or None if it has none."""
+    if name in _HF_TOP_NAMES:
+        return _HF_TOP_NAMES[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _HF_LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def hf_args(config: Mapping[str, object]) -> ModelArgs:
+    """ModelArgs from a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling)."""
+    archs = list(config.get("architectures") or [])
+    if not archs:
+        if config.get("model_type") != "llama":
+            raise ValueError(
+                f"config.json names no architecture and model_type {config.get('model_type')!r}; "
+                f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+            )
+    for arch in archs:
+        if arch not in SUPPORTED_HF_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
+            )
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise ValueError(f"config.json sets {flag}=true; this Llama model has no biases")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
+    dim = int(config["hidden_size"])
+    n_heads = int(config["num_attention_heads"])
+    head_dim = config.get("head_dim")
+    if head_dim is not None and int(head_dim) * n_heads != dim:
+        raise ValueError(
+            f"config.json head_dim {head_dim} != hidden_size / num_attention_heads = {dim // n_heads}; "
+            "model.py derives head_dim from dim"
+        )
+    # transformers 5 folds rope_theta / rope_scaling into rope_parameters.
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": float(rope["factor"]),
+            "low_freq_factor": float(rope["low_freq_factor"]),
+            "high_freq_factor": float(rope["high_freq_factor"]),
+            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        }
+    elif rope_type == "default":
+        scaling = None
+    else:
+        raise ValueError(f"config.json rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    return ModelArgs(
+        dim=dim,
+        n_layers=int(config["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        vocab_size=int(config["vocab_size"]),
+        hidden_dim=int(config["intermediate_size"]),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def _hf_files(directory: Path) -> List[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({directory / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"shard {f.name} named by {index.name} is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    return files
+
+
+def _hf_stop_tokens(directory: Path, config: Mapping[str, object]) -> Tuple[List[int], Optional[int]]:
+    gen = directory / "generation_config.json"
+    source = json.loads(gen.read_text()) if gen.is_file() else dict(config)
+    eos = source.get("eos_token_id", config.get("eos_token_id"))
+    bos = source.get("bos_token_id", config.get("bos_token_id"))
+    stops = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
+    return stops, None if bos is None else int(bos)
+
+
+def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -> LoadedCheckpoint:
+    """Load a Hugging Face Llama directory (config.json + *.safetensors, sharded or not)."""
+    from safetensors.torch import load_file  # optional dependency: only this loader needs it
+
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json")
+    config = json.loads(config_path.read_text())
+    args = hf_args(config)
+
+    state: Dict[str, torch.Tensor] = {}
+    source_names: Dict[str, str] = {}
+    lm_head: Optional[torch.Tensor] = None
+    for f in _hf_files(directory):
+        for name, tensor in load_file(str(f)).items():
+            if _DERIVED.search(name):
+                continue
+            if name == "lm_head.weight" and args.tie_embeddings:
+                lm_head = tensor  # checked against the embedding below
+                continue
+            key = hf_to_model_name(name)
+            if key is None:
+                raise ValueError(f"checkpoint tensor {name!r} ({f.name}) is not used by the model")
+            state[key] = tensor
+            source_names[key] = name
+    if args.tie_embeddings:
+        emb = state.get("tok_embeddings.weight")
+        if emb is not None:
+            if lm_head is not None and not torch.equal(lm_head, emb):
+                raise ValueError(
+                    "checkpoint tensor 'lm_head.weight' differs from 'model.embed_tokens.weight' "
+                    "but config.json sets tie_word_embeddings"
+                )
+            state["output.weight"] = emb
+            source_names["output.weight"] = "model.embed_tokens.weight"
+    model, target = build_model(args, state, parse_dtype(dtype), source_names)
+    stops, bos = _hf_stop_tokens(directory, config)
+    return LoadedCheckpoint(
+        model=model,
+        args=args,
+        source={"format": "hf", "dir": str(directory.resolve())},
+        dtype=target,
+        stop_token_ids=stops,
+        bos_token_id=bos,
+    )
+
+
+def load_from_source(source: Mapping[str, object], dtype: "str | torch.dtype | None" = None) -> LoadedCheckpoint:
+    """Reload what an export sidecar's ``source`` entry describes."""
+    fmt = source.get("format")
+    if fmt == "meta":
+        return load_meta(str(source["checkpoint"]), str(source["params"]), dtype)
+    if fmt == "hf":
+        return load_hf(str(source["dir"]), dtype)
+    raise ValueError(f"unknown checkpoint source format {fmt!r}")

@@ -1,0 +1,216 @@
+"""Tokenizers for the example: pytorch_tokenizers for real models, bytes for the toy one.
+
+``load_tokenizer(None)`` gives a byte-level vocabulary (ids 0-255 are bytes, then
+BOS and EOS), so the default deterministic model runs with nothing downloaded.
+A path picks the kind by content: ``tokenizer.json`` -> Hugging Face tokenizers,
+``tokenizer.model`` -> SentencePiece, falling back to tiktoken (Llama 3).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+BYTE_VOCAB = 256
+BYTE_BOS = 256
+BYTE_EOS = 257
+BYTE_VOCAB_SIZE = 258
+
+# Llama 3 chat stop tokens besides <|end_of_text|>.
+_LLAMA3_EXTRA_STOPS = ("<|eot_id|>", "<|eom_id|>")
+
+
+class Tokenizer:
+    """The small surface run.py needs, the same for every backing implementation."""
+
+    kind: str = "?"
+    path: Optional[str] = None
+    bos_id: Optional[int] = None
+    eos_id: Optional[int] = None
+    vocab_size: int = 0
+
+    def encode(self, text: str, bos: bool = True) -> List[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raise NotImplementedError
+
+    def stop_ids(self) -> List[int]:
+        return [] if self.eos_id is None else [self.eos_id]
+
+    def chat_prompt(self, user: str, system: Optional[str] = None) -> List[int]:
+        """Token ids of a single-turn chat prompt, ending where the assistant speaks."""
+        # Llama 2 style: the generic fallback for tokenizers without a template.
+        sys_part = f"<<SYS>>\n{system}\n<</SYS>>\n\n" if system else ""
+        return self.encode(f"[INST] {sys_part}{user.strip()} [/INST]", bos=True)
+
+    def describe(self) -> Dict[str, object]:
+        return {"kind": self.kind, "path": self.path, "bos_id": self.bos_id, "eos_id": self.eos_id,
+                "vocab_size": self.vocab_size, "stop_ids": self.stop_ids()}
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens; 256 = BOS, 257 = EOS."""
+
+    kind = "bytes"
+    bos_id = BYTE_BOS
+    eos_id = BYTE_EOS
+    vocab_size = BYTE_VOCAB_SIZE
+
+    def encode(self, text: str, bos: bool = True) -> List[int]:
+        return ([BYTE_BOS] if bos else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # Specials and out-of-range ids (a model with a larger vocab) print nothing.
+        return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+
+class HFTokenizer(Tokenizer):
+    """``tokenizer.json`` through pytorch_tokenizers' HuggingFaceTokenizer."""
+
+    kind = "hf"
+
+    def __init__(self, path: Path) -> None:
+        from pytorch_tokenizers import HuggingFaceTokenizer
+
+        self.path = str(path)
+        # Its own config parsing assumes string bos/eos entries; read the config here instead.
+        self._impl = HuggingFaceTokenizer(str(path), None)
+        self._model = self._impl.model
+        self.vocab_size = self._model.get_vocab_size()
+        config_path = path.parent / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.chat_template: Optional[str] = config.get("chat_template")
+        self.bos_id = self._token_id(config.get("bos_token")) if "bos_token" in config else self._impl.bos_id
+        self.eos_id = self._token_id(config.get("eos_token")) if "eos_token" in config else self._impl.eos_id
+        self._bos_text = self._content(config.get("bos_token"))
+        self._eos_text = self._content(config.get("eos_token"))
+        self._extra_stops = [i for i in (self._model.token_to_id(t) for t in _LLAMA3_EXTRA_STOPS) if i is not None]
+
+    @staticmethod
+    def _content(token: object) -> str:
+        if isinstance(token, dict):  # older configs store AddedToken dicts
+            return str(token.get("content", ""))
+        return "" if token is None else str(token)
+
+    def _token_id(self, token: object) -> Optional[int]:
+        text = self._content(token)
+        return self._model.token_to_id(text) if text else None
+
+    def encode(self, text: str, bos: bool = True) -> List[int]:
+        # add_special_tokens=False: BOS is added here, once, whatever the post-processor does.
+        ids = self._model.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._model.decode(list(ids), skip_special_tokens=True)
+
+    def stop_ids(self) -> List[int]:
+        return sorted(set(super().stop_ids()) | set(self._extra_stops))
+
+    def chat_prompt(self, user: str, system: Optional[str] = None) -> List[int]:
+        if not self.chat_template:
+            return super().chat_prompt(user, system)
+        import jinja2
+
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
+        text = env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=self._bos_text, eos_token=self._eos_text
+        )
+        # The template writes BOS itself; the specials in it are real specials.
+        return self._model.encode(text, add_special_tokens=False).ids
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """SentencePiece ``tokenizer.model`` (Llama 2) through pytorch_tokenizers."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: Path) -> None:
+        from pytorch_tokenizers import Llama2cTokenizer
+
+        self.path = str(path)
+        self._impl = Llama2cTokenizer(model_path=str(path))
+        self.vocab_size = self._impl.n_words
+        self.bos_id = self._impl.bos_id
+        self.eos_id = self._impl.eos_id
+
+    def encode(self, text: str, bos: bool = True) -> List[int]:
+        return self._impl.encode(text, bos=bos, eos=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._impl.decode(list(ids))
+
+
+class TiktokenLlama3Tokenizer(Tokenizer):
+    """Llama 3 tiktoken ``tokenizer.model`` through pytorch_tokenizers."""
+
+    kind = "tiktoken"
+
+    def __init__(self, path: Path) -> None:
+        from pytorch_tokenizers import TiktokenTokenizer
+
+        self.path = str(path)
+        self._impl = TiktokenTokenizer(model_path=str(path))
+        self.vocab_size = self._impl.n_words
+        self.bos_id = self._impl.bos_id
+        self.eos_id = self._impl.eos_id
+
+    def encode(self, text: str, bos: bool = True) -> List[int]:
+        return self._impl.encode(text, bos=bos, eos=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        specials = set(self._impl.special_tokens.values())
+        return self._impl.decode([i for i in ids if i not in specials])
+
+    def stop_ids(self) -> List[int]:
+        extra = [self._impl.special_tokens[t] for t in _LLAMA3_EXTRA_STOPS if t in self._impl.special_tokens]
+        return sorted(set(super().stop_ids()) | set(extra))
+
+    def chat_prompt(self, user: str, system: Optional[str] = None) -> List[int]:
+        def header(role: str) -> str:
+            return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
+
+        text = "<|begin_of_text|>"
+        if system:
+            text += header("system") + system + "<|eot_id|>"
+        text += header("user") + user + "<|eot_id|>" + header("assistant")
+        return self._impl.encode(text, bos=False, eos=False, allowed_special="all")
+
+
+def load_tokenizer(path: "str | Path | None") -> Tokenizer:
+    """A tokenizer for ``path`` (file or directory holding one); None = byte-level."""
+    if path is None or str(path) in ("", "bytes"):
+        return ByteTokenizer()
+    p = Path(path)
+    if p.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (p / name).is_file():
+                return load_tokenizer(p / name)
+        raise FileNotFoundError(f"{p} holds neither tokenizer.json nor tokenizer.model")
+    if not p.is_file():
+        raise FileNotFoundError(f"tokenizer {p} does not exist")
+    if p.suffix == ".json":
+        return HFTokenizer(p)
+    # A .model file is SentencePiece protobuf (Llama 2) or tiktoken BPE text (Llama 3).
+    try:
+        return SentencePieceTokenizer(p)
+    except Exception:
+        pass
+    try:
+        return TiktokenLlama3Tokenizer(p)
+    except Exception as e:
+        raise ValueError(f"{p} is neither a SentencePiece nor a tiktoken tokenizer model: {e}") from e
+
+
+def find_tokenizer_near(directory: "str | Path") -> Optional[Path]:
+    """The tokenizer file that ships next to a checkpoint, if any."""
+    d = Path(directory)
+    d = d if d.is_dir() else d.parent
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (d / name).is_file():
+            return (d / name).resolve()
+    return None

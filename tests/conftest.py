@@ -1,0 +1,126 @@
+"""Shared fixtures: a toy GQA decoder, its eager oracle, and .pte files lowered once per session.
+
+AOTInductor compiles take 15-25 s on a 2-core machine, so every distinct
+(storage dtype, policy) export happens once and is shared by all tests.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import pytest
+import torch
+
+# AOTI checks inputs against the compiled bounds only when asked to.
+os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "llama"))
+
+import offgraph_kv.runtime  # noqa: E402,F401  (registers the backend)
+from executorch.exir import to_edge_transform_and_lower  # noqa: E402
+from executorch.extension.llm.cache.reference_cache import (  # noqa: E402
+    CacheConfig,
+    ContiguousReferenceCache,
+    LayerPolicy,
+)
+from executorch.extension.llm.cache.update_and_attend import REGISTRY  # noqa: E402
+from executorch.runtime import Runtime  # noqa: E402
+from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic, positions  # noqa: E402
+
+from offgraph_kv.partitioner import OffGraphKVPartitioner  # noqa: E402
+
+TOY = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32)
+MAX_WRITE = 32
+
+
+def toy_model(args: ModelArgs = TOY, seed: int = 0) -> Transformer:
+    return init_deterministic(Transformer(args), seed=seed).eval()
+
+
+def lower(model: torch.nn.Module, max_write: int = MAX_WRITE, **partitioner: object) -> bytes:
+    ep = torch.export.export(model, example_inputs(4), dynamic_shapes=dynamic_shapes(max_write))
+    prog = to_edge_transform_and_lower(ep, partitioner=[OffGraphKVPartitioner(**partitioner)])
+    return prog.to_executorch().buffer
+
+
+class Oracle:
+    """The eager model over ExecuTorch's ContiguousReferenceCache."""
+
+    _count = 0
+
+    def __init__(self, model: Transformer, storage_dtype: torch.dtype, layers: Sequence[LayerPolicy] = (LayerPolicy.flat(),),
+                 capacity: int = 4096) -> None:
+        a = model.args
+        Oracle._count += 1
+        self.key = f"oracle{Oracle._count}"
+        self.model = model
+        self.cache = ContiguousReferenceCache(CacheConfig(
+            n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, capacity=capacity,
+            dtype=storage_dtype, layers=tuple(layers)))
+        REGISTRY.install(self.key, self.cache)
+        self.length = 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        w = tokens.shape[1]
+        with REGISTRY.active(self.key), torch.no_grad():
+            out = self.model(tokens, positions(self.length, w))
+        self.length += w
+        return out
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.length = 0
+
+
+class Session:
+    """A loaded method plus the length the caller believes it holds."""
+
+    def __init__(self, pte_path: Path) -> None:
+        self.program = Runtime.get().load_program(str(pte_path))
+        self.method = self.program.load_method("forward")
+        self.store = offgraph_kv.runtime.stores()[-1]
+        self.length = 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        w = tokens.shape[1]
+        out = self.method.execute([tokens, positions(self.length, w)])[0]
+        self.length += w
+        return out
+
+
+@pytest.fixture(scope="session")
+def model() -> Transformer:
+    return toy_model()
+
+
+@pytest.fixture(scope="session")
+def pte_factory(tmp_path_factory: pytest.TempPathFactory, model: Transformer) -> Callable[..., Path]:
+    """Lower the toy model once per distinct set of partitioner arguments."""
+    cache: Dict[Tuple, Path] = {}
+    root = tmp_path_factory.mktemp("pte")
+
+    def make(**kwargs: object) -> Path:
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        if key not in cache:
+            path = root / f"toy_{len(cache)}.pte"
+            path.write_bytes(lower(model, **kwargs))
+            cache[key] = path
+        return cache[key]
+
+    return make
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits[:, -1:].argmax(-1)
+
+
+def prompt(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TOY.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def widths_total(widths: List[int]) -> int:
+    return sum(widths)
