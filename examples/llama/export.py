@@ -1,0 +1,331 @@
+"""Export a Llama model to a .pte whose KV cache is owned by the offgraph-kv delegate.
+
+    python examples/llama/export.py --out model.pte                      # deterministic toy model
+    python examples/llama/export.py --out m.pte --checkpoint consolidated.00.pth --params params.json
+    python examples/llama/export.py --out m.pte --hf-dir Llama-3.2-1B-Instruct --storage-dtype bf16
+
+Next to the .pte goes ``<out>.json`` (the sidecar): model args, max_write, storage
+dtype, capacities, tokenizer and checkpoint source, so run.py can chunk prefill
+correctly and rebuild the eager reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:
+    sys.path.insert(0, str(_HERE))
+
+import torch  # noqa: E402
+
+from checkpoint import LoadedCheckpoint, dtype_name, load_hf, load_meta, parse_dtype  # noqa: E402
+from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic  # noqa: E402
+from tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, find_tokenizer_near, load_tokenizer  # noqa: E402
+
+SIDECAR_VERSION = 1
+_STORAGE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def sidecar_path(pte: "str | Path") -> Path:
+    return Path(str(pte) + ".json")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="path of the .pte to write")
+    src = p.add_argument_group("weights (default: a deterministic toy model with a byte vocabulary)")
+    src.add_argument("--checkpoint", help="Meta consolidated*.pth (file, or directory of shards)")
+    src.add_argument("--params", help="Meta params.json (default: next to --checkpoint)")
+    src.add_argument("--hf-dir", help="Hugging Face directory: config.json + *.safetensors")
+    src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast weights (default: checkpoint dtype)")
+    src.add_argument("--tokenizer", help="tokenizer to record in the sidecar (default: found next to the checkpoint)")
+    toy = p.add_argument_group("toy model shape (ignored with a checkpoint)")
+    defaults = ModelArgs()
+    toy.add_argument("--dim", type=int, default=defaults.dim)
+    toy.add_argument("--n-layers", type=int, default=defaults.n_layers)
+    toy.add_argument("--n-heads", type=int, default=defaults.n_heads)
+    toy.add_argument("--n-kv-heads", type=int, default=defaults.n_kv_heads)
+    toy.add_argument("--seed", type=int, default=0)
+    toy.add_argument(
+        "--sliding-windows", default="0",
+        help="comma-separated sliding windows, one for all layers or one per layer (0 = full attention)",
+    )
+    low = p.add_argument_group("lowering")
+    low.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    low.add_argument("--storage-dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    low.add_argument("--max-capacity", type=int, default=None, help="KV rows the runtime may grow to (default: bound)")
+    low.add_argument("--initial-capacity", type=int, default=256, help="KV rows allocated at load")
+    low.add_argument("--growth-factor", type=float, default=2.0)
+    low.add_argument("--max-write", type=int, default=64, help="most tokens one step may write (prefill chunk size)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    a = p.parse_args(argv)
+    if a.checkpoint and a.hf_dir:
+        p.error("give --checkpoint/--params or --hf-dir, not both")
+    if a.params and not a.checkpoint:
+        p.error("--params needs --checkpoint")
+    return a
+
+
+# --------------------------------------------------------------------------- #
+# Progress: lowering is one long blocking call, so a ticker thread keeps the
+# elapsed time moving while AOTInductor compiles.
+# --------------------------------------------------------------------------- #
+
+
+class Progress:
+    """A tqdm stage bar on a terminal; one plain line per finished stage otherwise."""
+
+    def __init__(self, stages: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self.times: Dict[str, float] = {}
+        self._enabled = enabled
+        self._live = enabled and sys.stderr.isatty()
+        self._bar = tqdm(total=stages, disable=not self._live, unit="stage", file=sys.stderr,
+                         bar_format="{desc:<32} {n_fmt}/{total_fmt} [{elapsed}]")
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        self._bar.set_description_str(name)
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.wait(0.5):
+                self._bar.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
+            self.times[name] = time.perf_counter() - t0
+            self._bar.update(1)
+            if self._enabled and not self._live:
+                print(f"  {name}: {self.times[name]:.1f}s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._bar.set_description_str("done")
+        self._bar.close()
+
+
+class _OmissionCapture(logging.Handler):
+    """Catches the backend's storage-omission report (weights compiled in, KV bytes/token)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reports: List[tuple] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "KV bytes/token" in str(record.msg) and isinstance(record.args, tuple):
+            self.reports.append(record.args)
+
+
+# --------------------------------------------------------------------------- #
+
+
+def build_toy(a: argparse.Namespace) -> LoadedCheckpoint:
+    windows = [int(w) for w in str(a.sliding_windows).split(",")]
+    args = ModelArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
+                     vocab_size=BYTE_VOCAB_SIZE, sliding_windows=windows)
+    model = init_deterministic(Transformer(args), seed=a.seed).eval()
+    dtype = parse_dtype(a.dtype) or torch.float32
+    model = model.to(dtype)
+    tok = ByteTokenizer()
+    return LoadedCheckpoint(model=model, args=args, source={"format": "deterministic", "seed": a.seed},
+                            dtype=dtype, stop_token_ids=tok.stop_ids(), bos_token_id=tok.bos_id)
+
+
+def load_model(a: argparse.Namespace) -> LoadedCheckpoint:
+    if a.hf_dir:
+        return load_hf(a.hf_dir, a.dtype)
+    if a.checkpoint:
+        return load_meta(a.checkpoint, a.params, a.dtype)
+    return build_toy(a)
+
+
+def tokenizer_info(a: argparse.Namespace, ck: LoadedCheckpoint) -> Dict[str, object]:
+    path = a.tokenizer
+    if path is None and ck.source["format"] != "deterministic":
+        near = ck.source.get("dir") or ck.source.get("checkpoint")
+        found = find_tokenizer_near(str(near))
+        path = str(found) if found else None
+    if path is None and ck.source["format"] != "deterministic":
+        return {"kind": None, "path": None, "stop_ids": ck.stop_token_ids, "bos_id": ck.bos_token_id}
+    tok = load_tokenizer(path)
+    info = tok.describe()
+    if tok.path:
+        info["path"] = str(Path(tok.path).resolve())
+    # The checkpoint's generation config may name more stop tokens than the tokenizer.
+    info["stop_ids"] = sorted(set(info["stop_ids"]) | set(ck.stop_token_ids))
+    if tok.vocab_size > ck.args.vocab_size:
+        raise ValueError(f"tokenizer has {tok.vocab_size} tokens but the model only {ck.args.vocab_size}")
+    return info
+
+
+def kv_bytes_per_token(args: ModelArgs, storage_dtype: str) -> int:
+    """K and V bytes one token adds to a flat layer, summed over layers."""
+    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * _STORAGE_BYTES[storage_dtype]
+
+
+def scan_pte(data: bytes) -> Dict[str, int]:
+    """Where the bytes of a .pte go: delegate payloads (manifests), named data (code + weights), constants.
+
+    The offgraph-kv delegate payload must parse as a manifest (metadata only);
+    anything else in the file is code, weights or program structure.
+    """
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    from offgraph_kv.schemas.manifest import Manifest
+
+    pte = deserialize_pte_binary(data)
+    program = pte.program
+    manifest_bytes = 0
+    kv_per_token = 0
+    for plan in program.execution_plan:
+        for d in plan.delegates:
+            if d.id != "OffGraphKVBackend":
+                continue
+            payload = program.backend_delegate_data[d.processed.index].data
+            kv_per_token += Manifest.from_bytes(bytes(payload)).kv_bytes_per_token()
+            manifest_bytes += len(payload)
+    named = sum(len(b) for b in pte.named_data.buffers) if pte.named_data else 0
+    constants = sum(len(c.storage) for c in program.constant_buffer)
+    return {"manifest_bytes": manifest_bytes, "named_data_bytes": named, "constant_bytes": constants,
+            "manifest_kv_bytes_per_token": kv_per_token}
+
+
+def export(a: argparse.Namespace) -> Dict[str, object]:
+    """Build, export, lower and write; returns the summary (also written in the sidecar)."""
+    from executorch.exir import to_edge_transform_and_lower
+
+    import offgraph_kv.backend.backend as backend_module
+    from offgraph_kv.partitioner import OffGraphKVPartitioner
+
+    progress = Progress(4, enabled=not a.quiet)
+    with progress.stage("load weights" if (a.checkpoint or a.hf_dir) else "build deterministic model"):
+        ck = load_model(a)
+        tok_info = tokenizer_info(a, ck)
+    model, args = ck.model, ck.args
+    if a.max_write < 1:
+        raise ValueError(f"--max-write must be >= 1, got {a.max_write}")
+    example = example_inputs(min(4, a.max_write))
+    if a.device == "cuda":
+        model = model.to("cuda")
+        example = tuple(t.to("cuda") for t in example)
+
+    with progress.stage("torch.export"), torch.no_grad():
+        ep = torch.export.export(model, example, dynamic_shapes=dynamic_shapes(a.max_write))
+
+    policies = args.layer_policies()
+    part_kwargs = dict(device=a.device, storage_dtype=a.storage_dtype, max_capacity=a.max_capacity,
+                       initial_capacity=a.initial_capacity, growth_factor=a.growth_factor,
+                       max_write=a.max_write)
+    # Only name per-layer policies when a layer is not flat (the partitioner's default).
+    if any(w > 0 for w in args.sliding_windows):
+        part_kwargs["layers"] = policies
+    capture = _OmissionCapture()
+    backend_module.log.addHandler(capture)
+    # Listen at INFO without printing the record a second time through the root logger.
+    old_level, old_propagate = backend_module.log.level, backend_module.log.propagate
+    backend_module.log.setLevel(logging.INFO)
+    backend_module.log.propagate = False
+    try:
+        with progress.stage("lower (AOTInductor compile)"):
+            prog = to_edge_transform_and_lower(ep, partitioner=[OffGraphKVPartitioner(**part_kwargs)]).to_executorch()
+    finally:
+        backend_module.log.removeHandler(capture)
+        backend_module.log.setLevel(old_level)
+        backend_module.log.propagate = old_propagate
+
+    out = Path(a.out)
+    with progress.stage("serialize"):
+        data = prog.buffer
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+    progress.close()
+
+    params = {id(p): p for p in model.parameters()}
+    n_params = sum(p.numel() for p in params.values())
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    scan = scan_pte(data)
+    compiled_weights = sum(r[0] for r in capture.reports) if capture.reports else None
+    # The backend refuses to lower if the compiled constants exceed the model's
+    # weights, and the delegate payload is a manifest: no KV row is in the file.
+    kv_in_file = 0
+    summary: Dict[str, object] = {
+        "version": SIDECAR_VERSION,
+        "pte": out.name,
+        "file_bytes": len(data),
+        "parameters": n_params,
+        "weight_bytes": weight_bytes,
+        "compiled_weight_bytes": compiled_weights,
+        "kv_bytes_per_token": kv_bytes_per_token(args, a.storage_dtype),
+        "kv_bytes_in_file": kv_in_file,
+        "pte_scan": scan,
+        "model_args": args.to_dict(),
+        "weights_dtype": dtype_name(ck.dtype),
+        "source": ck.source,
+        "tokenizer": tok_info,
+        "device": a.device,
+        "storage_dtype": a.storage_dtype,
+        "max_write": a.max_write,
+        "max_capacity": a.max_capacity,
+        "initial_capacity": a.initial_capacity,
+        "growth_factor": a.growth_factor,
+        "timings_s": {k: round(v, 3) for k, v in progress.times.items()},
+    }
+    sidecar_path(out).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def print_summary(s: Dict[str, object]) -> None:
+    scan = s["pte_scan"]
+    args = s["model_args"]
+    print(f"wrote {s['pte']} ({_fmt_bytes(s['file_bytes'])}) and its sidecar {s['pte']}.json")
+    print(f"  model             {args['n_layers']} layers, dim {args['dim']}, {args['n_heads']} q / "
+          f"{args['n_kv_heads']} kv heads, vocab {args['vocab_size']}, weights {s['weights_dtype']}")
+    print(f"  parameters        {s['parameters']:,} ({_fmt_bytes(s['weight_bytes'])})")
+    print(f"  KV per token      {_fmt_bytes(s['kv_bytes_per_token'])} ({s['storage_dtype']} storage, allocated at run time)")
+    print(f"  max write / step  {s['max_write']} tokens; initial capacity {s['initial_capacity']} rows, "
+          f"max {s['max_capacity'] or 'compiled bound'}")
+    print(f"  file breakdown    compiled code + weights {_fmt_bytes(scan['named_data_bytes'])}, "
+          f"manifest {scan['manifest_bytes']} B, program constants {scan['constant_bytes']} B")
+    if s.get("compiled_weight_bytes") is not None:
+        print(f"  compiled consts   {_fmt_bytes(s['compiled_weight_bytes'])} (weights + rope table; the backend checked: nothing else)")
+    print(f"  kv bytes in file: {s['kv_bytes_in_file']}")
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in s["timings_s"].items())
+    print(f"  time              {times}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parse_args(argv)
+    try:
+        summary = export(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
