@@ -17,7 +17,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -386,6 +386,52 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
     )
 
 
+def model_to_hf_name(key: str) -> str:
+    """The Hugging Face name of a model.py tensor (inverse of :func:`hf_to_model_name`)."""
+    for hf, ours in _HF_TOP_NAMES.items():
+        if ours == key:
+            return hf
+    _, idx, rest = key.split(".", 2)
+    for hf, ours in _HF_LAYER_NAMES.items():
+        if ours == rest:
+            return f"model.layers.{idx}.{hf}"
+    raise KeyError(key)
+
+
+def to_hf_state_dict(model: Transformer) -> Dict[str, torch.Tensor]:
+    """``model``'s weights under Hugging Face Llama names (what ``load_hf`` reads back).
+
+    A tied output is written once, as the embedding, the way transformers saves it.
+    """
+    return {
+        model_to_hf_name(key): tensor.detach().clone().contiguous()
+        for key, tensor in model.state_dict().items()
+        if not (key == "output.weight" and model.args.tie_embeddings)
+    }
+
+
+def hf_config(args: ModelArgs) -> Dict[str, object]:
+    """A transformers-style ``config.json`` for ``args`` (the inverse of :func:`hf_args`)."""
+    config: Dict[str, object] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": args.tie_embeddings,
+        "rope_theta": args.rope_theta,
+    }
+    if args.rope_scaling:
+        config["rope_scaling"] = dict(args.rope_scaling, rope_type="llama3")
+    return config
+
+
 def _hf_files(directory: Path) -> List[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -422,7 +468,10 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     args = hf_args(config)
 
     state: Dict[str, torch.Tensor] = {}
-    source_names: Dict[str, str] = {}
+    # Errors about missing tensors speak Hugging Face names too.
+    source_names: Dict[str, str] = {k: model_to_hf_name(k) for k in _expected_shapes(args)}
+    if args.tie_embeddings:
+        source_names["output.weight"] = "model.embed_tokens.weight"
     lm_head: Optional[torch.Tensor] = None
     for f in _hf_files(directory):
         for name, tensor in load_file(str(f)).items():

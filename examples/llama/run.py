@@ -357,6 +357,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if g.message:
         print(f"note: {g.message}", file=sys.stderr)
     n_new = len(g.generated_ids)
+    if g.stop_reason == "capacity" and g.prefill_s == 0:
+        return 1  # the prompt was refused before any step ran; the note above says why
     print(f"prefill  {len(prompt_ids)} tokens in {g.prefill_s * 1e3:.1f} ms ({_rate(len(prompt_ids), g.prefill_s)}, "
           f"chunks of <= {max_write})", file=sys.stderr)
     print(f"decode   {n_new} new tokens, {g.decode_steps} steps in {g.decode_s * 1e3:.1f} ms "

@@ -9,6 +9,7 @@ A path picks the kind by content: ``tokenizer.json`` -> Hugging Face tokenizers,
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -21,7 +22,7 @@ BYTE_VOCAB_SIZE = 258
 _LLAMA3_EXTRA_STOPS = ("<|eot_id|>", "<|eom_id|>")
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """The small surface run.py needs, the same for every backing implementation."""
 
     kind: str = "?"
@@ -30,11 +31,11 @@ class Tokenizer:
     eos_id: Optional[int] = None
     vocab_size: int = 0
 
-    def encode(self, text: str, bos: bool = True) -> List[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def encode(self, text: str, bos: bool = True) -> List[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
 
     def stop_ids(self) -> List[int]:
         return [] if self.eos_id is None else [self.eos_id]

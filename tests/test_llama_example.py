@@ -1,0 +1,430 @@
+"""The Llama example: checkpoint loaders, tokenizers, export.py and run.py end to end.
+
+One .pte is exported per session (AOTInductor compiles take ~20 s here); every
+test that needs the compiled path shares it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Dict, Iterator, List
+
+import pytest
+import torch
+
+os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
+
+LLAMA_DIR = Path(__file__).resolve().parents[1] / "examples" / "llama"
+if str(LLAMA_DIR) not in sys.path:
+    sys.path.insert(0, str(LLAMA_DIR))
+
+import checkpoint  # noqa: E402
+import export  # noqa: E402
+import run  # noqa: E402
+import tokenizer  # noqa: E402
+from model import ModelArgs, Transformer, init_deterministic, positions  # noqa: E402
+
+from executorch.extension.llm.cache.reference_cache import CacheConfig, ContiguousReferenceCache  # noqa: E402
+from executorch.extension.llm.cache.update_and_attend import REGISTRY  # noqa: E402
+
+_keys = itertools.count()
+
+
+@contextlib.contextmanager
+def reference_cache(args: ModelArgs, capacity: int = 256, dtype: torch.dtype = torch.float32) -> Iterator[None]:
+    """A fresh ExecuTorch reference cache, active for the ``with`` body."""
+    key = f"test-llama-example-{next(_keys)}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        REGISTRY.install(key, ContiguousReferenceCache(CacheConfig(
+            n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim,
+            capacity=capacity, dtype=dtype, layers=args.layer_policies())))
+    try:
+        with REGISTRY.active(key), torch.no_grad():
+            yield
+    finally:
+        REGISTRY.uninstall(key)
+
+
+def eager_steps(model: Transformer, tokens: torch.Tensor, widths: List[int]) -> torch.Tensor:
+    """Logits for ``tokens`` [1, T] fed in steps of ``widths``, on a fresh reference cache."""
+    outs, pos = [], 0
+    with reference_cache(model.args):
+        for w in widths:
+            outs.append(model(tokens[:, pos:pos + w], positions(pos, w)))
+            pos += w
+    return torch.cat(outs, dim=1)
+
+
+def tiny_args(**overrides: object) -> ModelArgs:
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300)
+    base.update(overrides)
+    return ModelArgs(**base)
+
+
+# --------------------------------------------------------------------------- #
+# Hugging Face format
+# --------------------------------------------------------------------------- #
+
+
+def _save_transformers_llama(path: Path, tie: bool, shard: bool, dtype: torch.dtype = torch.float32):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64},
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        # Default init leaves norms at 1 and small weights; perturb everything so
+        # a swapped or mis-permuted tensor cannot hide.
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf = hf.to(dtype)
+    hf.save_pretrained(path, max_shard_size="100KB" if shard else "1GB")
+    return hf
+
+
+@pytest.mark.parametrize("tie,shard", [(False, True), (True, False)], ids=["untied-sharded", "tied-single-file"])
+def test_hf_checkpoint_from_transformers_gives_transformers_logits(tmp_path: Path, tie: bool, shard: bool) -> None:
+    hf = _save_transformers_llama(tmp_path, tie=tie, shard=shard)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == shard
+    loaded = checkpoint.load_hf(tmp_path)
+    assert loaded.args.tie_embeddings == tie
+    assert loaded.args.rope_scaling["rope_type"] == "llama3"
+    assert loaded.dtype == torch.float32
+
+    tokens = torch.randint(0, 300, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    # One prefill step, and the same tokens as a prefill plus decode steps.
+    for widths in ([11], [6, 1, 1, 3]):
+        got = eager_steps(loaded.model, tokens, widths)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_hf_checkpoint_keeps_its_dtype_unless_cast(tmp_path: Path) -> None:
+    _save_transformers_llama(tmp_path, tie=False, shard=False, dtype=torch.bfloat16)
+    assert checkpoint.load_hf(tmp_path).dtype == torch.bfloat16
+    assert {p.dtype for p in checkpoint.load_hf(tmp_path).model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in checkpoint.load_hf(tmp_path, dtype="fp32").model.parameters()} == {torch.float32}
+
+
+# --------------------------------------------------------------------------- #
+# Meta format
+# --------------------------------------------------------------------------- #
+
+META_PARAMS = {
+    "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "multiple_of": 32,
+    "ffn_dim_multiplier": 1.3, "norm_eps": 1e-5, "rope_theta": 500000.0, "use_scaled_rope": True,
+}
+
+
+def _meta_reference_model() -> Transformer:
+    return init_deterministic(Transformer(checkpoint.meta_args(META_PARAMS)), seed=3).eval()
+
+
+def _write_meta(directory: Path, state: Dict[str, torch.Tensor], params: Dict[str, object]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(state, directory / "consolidated.00.pth")
+    (directory / "params.json").write_text(json.dumps(params))
+    return directory / "consolidated.00.pth"
+
+
+def test_meta_checkpoint_gives_the_logits_of_the_model_it_was_written_from(tmp_path: Path) -> None:
+    reference = _meta_reference_model()
+    state = checkpoint.to_meta_state_dict(reference)
+    state["rope.freqs"] = torch.zeros(8)  # Llama 2 checkpoints carry this derived table
+    path = _write_meta(tmp_path, state, META_PARAMS)
+    loaded = checkpoint.load_meta(path)  # params.json found next to the checkpoint
+    assert loaded.args.rope_scaling["factor"] == 8.0
+
+    tokens = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    expected = eager_steps(reference, tokens, [9])
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [9]), expected, atol=0, rtol=0)
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [4, 1, 4]), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_meta_model_parallel_shards_are_concatenated(tmp_path: Path) -> None:
+    reference = _meta_reference_model()
+    full = checkpoint.to_meta_state_dict(reference)
+    shards: List[Dict[str, torch.Tensor]] = [{}, {}]
+    for name, t in full.items():
+        dim = checkpoint._meta_shard_dim(name)
+        parts = [t, t] if dim is None else list(t.chunk(2, dim=dim))
+        for shard, part in zip(shards, parts):
+            shard[name] = part.clone()
+    for i, shard in enumerate(shards):
+        torch.save(shard, tmp_path / f"consolidated.{i:02d}.pth")
+    (tmp_path / "params.json").write_text(json.dumps(META_PARAMS))
+    loaded = checkpoint.load_meta(tmp_path)
+    for name, t in reference.state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[name], t, atol=0, rtol=0)
+
+
+def _meta_interleaved_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Meta's apply_rotary_emb: pairs (2i, 2i+1) rotated as complex numbers. x: [T, H, D]."""
+    freqs = torch.polar(torch.ones(len(pos), len(inv_freq)), pos.float()[:, None] * inv_freq[None, :])
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs[:, None, :]).flatten(-2)
+
+
+def test_meta_permutation_matches_interleaved_rope_attention_scores() -> None:
+    # Independent of the loader's own inverse: the q.k scores Meta's interleaved
+    # rotation gives on the raw weights must equal model.py's half-split
+    # rotation on the permuted weights.
+    args = checkpoint.meta_args(META_PARAMS)
+    g = torch.Generator().manual_seed(5)
+    wq = torch.randn(args.n_heads * args.head_dim, args.dim, generator=g)
+    wk = torch.randn(args.n_kv_heads * args.head_dim, args.dim, generator=g)
+    x = torch.randn(7, args.dim, generator=g)
+    pos = torch.arange(3, 10)
+    inv_freq = Transformer(args).inv_freq
+    q_meta = _meta_interleaved_rope((x @ wq.T).view(7, args.n_heads, -1), pos, inv_freq)
+    k_meta = _meta_interleaved_rope((x @ wk.T).view(7, args.n_kv_heads, -1), pos, inv_freq)
+
+    from model import _rotate
+
+    angles = pos[:, None].float() * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    q = (x @ checkpoint.permute_interleaved_to_half(wq, args.n_heads).T).view(7, args.n_heads, -1).transpose(0, 1)
+    k = (x @ checkpoint.permute_interleaved_to_half(wk, args.n_kv_heads).T).view(7, args.n_kv_heads, -1).transpose(0, 1)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    group = args.n_heads // args.n_kv_heads
+    scores = q @ k.repeat_interleave(group, dim=0).transpose(-1, -2)
+    scores_meta = q_meta.transpose(0, 1) @ k_meta.transpose(0, 1).repeat_interleave(group, dim=0).transpose(-1, -2)
+    torch.testing.assert_close(scores, scores_meta, atol=1e-3, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- #
+# Errors name what is wrong
+# --------------------------------------------------------------------------- #
+
+
+def _write_hf(directory: Path, args: ModelArgs, mutate=None, config_update=None) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state = checkpoint.to_hf_state_dict(init_deterministic(Transformer(args)))
+    if mutate:
+        mutate(state)
+    config = checkpoint.hf_config(args)
+    config.update(config_update or {})
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(state, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_hf_round_trip_through_our_writer_is_exact(tmp_path: Path) -> None:
+    args = tiny_args(hidden_dim=96)
+    loaded = checkpoint.load_hf(_write_hf(tmp_path, args))
+    for name, t in init_deterministic(Transformer(args)).state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[name], t, atol=0, rtol=0)
+
+
+def test_hf_missing_tensor_is_named(tmp_path: Path) -> None:
+    d = _write_hf(tmp_path, tiny_args(), mutate=lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        checkpoint.load_hf(d)
+
+
+def test_hf_wrong_shape_is_named(tmp_path: Path) -> None:
+    def shrink(s: Dict[str, torch.Tensor]) -> None:
+        s["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+
+    d = _write_hf(tmp_path, tiny_args(), mutate=shrink)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*shape \(16, 64\).*\(32, 64\)"):
+        checkpoint.load_hf(d)
+
+
+def test_hf_unused_tensor_is_named(tmp_path: Path) -> None:
+    def extra(s: Dict[str, torch.Tensor]) -> None:
+        s["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+
+    d = _write_hf(tmp_path, tiny_args(), mutate=extra)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_norm\.weight'.*not used"):
+        checkpoint.load_hf(d)
+
+
+def test_hf_unknown_architecture_is_named(tmp_path: Path) -> None:
+    d = _write_hf(tmp_path, tiny_args(), config_update={"architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        checkpoint.load_hf(d)
+
+
+def test_meta_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
+    state = checkpoint.to_meta_state_dict(_meta_reference_model())
+    missing = dict(state)
+    missing.pop("layers.1.attention.wo.weight")
+    with pytest.raises(ValueError, match=r"missing tensor 'layers\.1\.attention\.wo\.weight'"):
+        checkpoint.load_meta(_write_meta(tmp_path / "missing", missing, META_PARAMS))
+    misshapen = dict(state)
+    misshapen["layers.0.attention.wq.weight"] = torch.zeros(32, 64)
+    with pytest.raises(ValueError, match=r"'layers\.0\.attention\.wq\.weight' has shape \(32, 64\)"):
+        checkpoint.load_meta(_write_meta(tmp_path / "misshapen", misshapen, META_PARAMS))
+
+
+# --------------------------------------------------------------------------- #
+# Tokenizers
+# --------------------------------------------------------------------------- #
+
+
+def test_byte_tokenizer_round_trips_utf8_with_bos_and_eos_ids() -> None:
+    tok = tokenizer.load_tokenizer(None)
+    ids = tok.encode("héllo ✓")
+    assert ids[0] == tokenizer.BYTE_BOS and max(ids) < tokenizer.BYTE_VOCAB_SIZE
+    assert tok.decode(ids + [tokenizer.BYTE_EOS]) == "héllo ✓"
+    assert tok.stop_ids() == [tokenizer.BYTE_EOS]
+
+
+def test_hf_tokenizer_json_encodes_decodes_and_renders_its_chat_template(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import models, pre_tokenizers, trainers
+
+    t = HFTok(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.train_from_iterator(["hello world", "hello there", "world of tokens", "user says"] * 10,
+                          trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>", "<|eot_id|>"]))
+    t.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "</s>"},
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}there{% endif %}",
+    }))
+    tok = tokenizer.load_tokenizer(tmp_path)  # a directory finds tokenizer.json
+    assert tok.kind == "hf"
+    ids = tok.encode("hello world")
+    assert ids[0] == tok.bos_id == t.token_to_id("<s>")
+    assert tok.decode(ids) == "hello world"
+    assert set(tok.stop_ids()) == {t.token_to_id("</s>"), t.token_to_id("<|eot_id|>")}
+    chat = tok.chat_prompt("hello")
+    assert chat[0] == tok.bos_id and tok.decode(chat).replace(" ", "") == "userhellothere"
+
+
+def test_tiktoken_model_file_loads_as_llama3_tokenizer(tmp_path: Path) -> None:
+    import base64
+
+    path = tmp_path / "tokenizer.model"
+    path.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    tok = tokenizer.load_tokenizer(path)  # not SentencePiece, so tiktoken
+    assert tok.kind == "tiktoken"
+    ids = tok.encode("hi!")
+    assert ids[0] == tok.bos_id and tok.decode(ids) == "hi!"
+    assert len(tok.stop_ids()) >= 2  # <|end_of_text|> and <|eot_id|>
+
+
+# --------------------------------------------------------------------------- #
+# export.py + run.py through the .pte
+# --------------------------------------------------------------------------- #
+
+TOY = ["--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2"]
+PROMPT = "The quick brown fox jumps over the lazy dog; offgraph-kv!"  # 57 bytes + BOS
+
+
+@pytest.fixture(scope="session")
+def toy_pte(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("llama") / "toy.pte"
+    rc = export.main(["--out", str(out), *TOY, "--storage-dtype", "fp32", "--initial-capacity", "16",
+                      "--max-write", "16", "--quiet"])
+    assert rc == 0
+    return out
+
+
+def _toy_model() -> Transformer:
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=tokenizer.BYTE_VOCAB_SIZE)
+    return init_deterministic(Transformer(args), seed=0).eval()
+
+
+def test_export_writes_a_sidecar_and_no_kv_bytes(toy_pte: Path, capsys: pytest.CaptureFixture) -> None:
+    side = json.loads(export.sidecar_path(toy_pte).read_text())
+    assert side["max_write"] == 16 and side["storage_dtype"] == "fp32"
+    assert side["tokenizer"]["kind"] == "bytes"
+    assert side["file_bytes"] == toy_pte.stat().st_size
+    assert side["parameters"] == sum(p.numel() for p in _toy_model().parameters())
+    # 2 layers x (K + V) x 2 kv heads x 16 head dim x 4 bytes
+    assert side["kv_bytes_per_token"] == side["pte_scan"]["manifest_kv_bytes_per_token"] == 512
+    assert side["kv_bytes_in_file"] == 0
+    export.print_summary(side)
+    assert "kv bytes in file: 0" in capsys.readouterr().out
+
+
+def _eager_greedy(model: Transformer, prompt: List[int], n: int) -> List[int]:
+    out: List[int] = []
+    with reference_cache(model.args):
+        logits = model(torch.tensor([prompt]), positions(0, len(prompt)))
+        pos = len(prompt)
+        while True:
+            out.append(int(logits[0, -1].argmax()))
+            if len(out) == n:
+                return out
+            logits = model(torch.tensor([[out[-1]]]), positions(pos, 1))
+            pos += 1
+
+
+def test_run_generates_the_eager_greedy_tokens_across_growths(toy_pte: Path, tmp_path: Path) -> None:
+    report = tmp_path / "run.json"
+    rc = run.main([str(toy_pte), "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-stop",
+                   "--check", "--json", str(report), "--quiet"])
+    assert rc == 0
+    r = json.loads(report.read_text())
+    prompt = tokenizer.ByteTokenizer().encode(PROMPT)
+    assert r["prompt_ids"] == prompt
+    assert r["generated_ids"] == _eager_greedy(_toy_model(), prompt, 24)
+    assert r["stop_reason"] == "max_new_tokens"
+    assert r["check"]["argmax_mismatches"] == 0 and r["check"]["max_abs_diff"] < 1e-4
+    m = r["metrics"]
+    # The last generated token is never fed back, so it holds no cache row.
+    assert m["length"] == len(prompt) + 24 - 1 == 81
+    assert m["capacity"] == 128 and m["growths"] == 3  # 16 -> 32 -> 64 -> 128
+    assert [layer["kind"] for layer in m["layers"]] == ["flat", "flat"]
+    assert r["timings"]["decode_steps"] == 23 and r["timings"]["prefill_tokens"] == len(prompt)
+
+
+def test_run_stops_cleanly_when_the_cache_is_full(toy_pte: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    report = tmp_path / "run.json"
+    rc = run.main([str(toy_pte), "--prompt", "short prompt", "--max-new-tokens", "500", "--ignore-stop",
+                   "--max-capacity", "40", "--json", str(report), "--quiet"])
+    assert rc == 0
+    r = json.loads(report.read_text())
+    assert r["stop_reason"] == "capacity"
+    assert r["metrics"]["length"] == 40 and r["metrics"]["max_capacity"] == 40
+    assert len(r["generated_ids"]) == 40 - len(r["prompt_ids"]) + 1
+    assert "KV cache is full" in capsys.readouterr().err
+
+
+def test_run_refuses_a_prompt_longer_than_the_capacity(toy_pte: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = run.main([str(toy_pte), "--prompt", "x" * 60, "--max-capacity", "32", "--quiet"])
+    assert rc == 1
+    assert "the prompt has 61 tokens but the KV cache has room for 32" in capsys.readouterr().err
+
+
+def test_generation_ends_at_a_stop_token(toy_pte: Path) -> None:
+    import offgraph_kv.runtime as rt
+    from executorch.runtime import Runtime
+
+    prompt = tokenizer.ByteTokenizer().encode(PROMPT)
+    first = _eager_greedy(_toy_model(), prompt, 1)[0]
+    method = Runtime.get().load_program(str(toy_pte)).load_method("forward")
+    g = run.generate(method, rt.stores()[-1], prompt, max_write=16, max_new_tokens=10, stop_ids=[first],
+                     pick=lambda logits: int(logits.argmax()))
+    assert g.generated_ids == [first] and g.stop_reason == "stop_token"
+
+
+def test_sampling_is_reproducible_from_the_seed_and_respects_top_p() -> None:
+    logits = torch.tensor([5.0, 4.9, -10.0, -10.0])
+    picks = {run.sample(logits, 1.0, 0.9, torch.Generator().manual_seed(s)) for s in range(50)}
+    assert picks == {0, 1}  # the two tokens holding >= 90% of the mass, never the tail
+    a = [run.sample(logits, 1.0, 1.0, torch.Generator().manual_seed(7)) for _ in range(3)]
+    b = [run.sample(logits, 1.0, 1.0, torch.Generator().manual_seed(7)) for _ in range(3)]
+    assert a == b
+    assert run.sample(logits, 0.0, 0.9, torch.Generator()) == 0
