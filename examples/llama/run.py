@@ -357,16 +357,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if g.message:
         print(f"note: {g.message}", file=sys.stderr)
     n_new = len(g.generated_ids)
-    if g.stop_reason == "capacity" and g.prefill_s == 0:
-        return 1  # the prompt was refused before any step ran; the note above says why
-    print(f"prefill  {len(prompt_ids)} tokens in {g.prefill_s * 1e3:.1f} ms ({_rate(len(prompt_ids), g.prefill_s)}, "
-          f"chunks of <= {max_write})", file=sys.stderr)
-    print(f"decode   {n_new} new tokens, {g.decode_steps} steps in {g.decode_s * 1e3:.1f} ms "
-          f"({_rate(g.decode_steps, g.decode_s)}); stopped: {g.stop_reason}", file=sys.stderr)
-    if check is not None:
-        print(f"check    max |logits - eager reference| = {check.max_abs_diff:.3g}, "
-              f"argmax disagreements: {check.argmax_mismatches}", file=sys.stderr)
-    print(memory_table(metrics), file=sys.stderr)
+    # A prompt refused before any step ran has no timings to show; the note says why.
+    refused = g.stop_reason == "capacity" and g.prefill_s == 0
+    if not refused:
+        print(f"prefill  {len(prompt_ids)} tokens in {g.prefill_s * 1e3:.1f} ms "
+              f"({_rate(len(prompt_ids), g.prefill_s)}, chunks of <= {max_write})", file=sys.stderr)
+        print(f"decode   {n_new} new tokens, {g.decode_steps} steps in {g.decode_s * 1e3:.1f} ms "
+              f"({_rate(g.decode_steps, g.decode_s)}); stopped: {g.stop_reason}", file=sys.stderr)
+        if check is not None:
+            print(f"check    max |logits - eager reference| = {check.max_abs_diff:.3g}, "
+                  f"argmax disagreements: {check.argmax_mismatches}", file=sys.stderr)
+        print(memory_table(metrics), file=sys.stderr)
 
     if a.json:
         out = {
