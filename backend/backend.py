@@ -105,7 +105,7 @@ def validate_manifest(manifest: Manifest, compiled: ExportedProgram) -> None:
     """The manifest must agree with the compiled program's inputs, one by one."""
     user = [n for n in compiled.graph.nodes if n.op == "placeholder"
             and n.name in set(compiled.graph_signature.user_inputs)]
-    expected = manifest.num_user_inputs + len(manifest.tensors)
+    expected = manifest.num_user_inputs + len(manifest.tensors) + (manifest.length_input is not None)
     if len(user) != expected:
         raise LoweringError(f"manifest describes {expected} compiled inputs, the compiled program takes {len(user)}")
     for t in manifest.tensors:
@@ -126,8 +126,6 @@ class OffGraphKVBackend(BackendDetails):
             raise LoweringError("OffGraphKVBackend: the partition holds no kvcache::update_and_attend")
         if len(specs.layers) != len(sites):
             raise LoweringError(f"compile specs give {len(specs.layers)} layer policies for {len(sites)} cache layers")
-        if any(p.kind is LayerKind.RING for p in specs.layers):
-            raise LoweringError("ring layers are not supported by this build of OffGraphKVBackend yet")
         inputs = _user_inputs(edge_program)
         # The partitioner derived the locator from the whole program; check it
         # against this partition's own inputs, which are the delegate's.
@@ -138,10 +136,14 @@ class OffGraphKVBackend(BackendDetails):
         examples, dyn = _examples_and_dims(edge_program, inputs, sites[0].width)
         program = edge_to_aten(edge_program.module())
         bind_private_tensors(program)
-        wrapper = PrivateTensorProgram(program, len(inputs), len(sites))
+        windows = [p.window if p.kind is LayerKind.RING else 0 for p in specs.layers]
+        wrapper = PrivateTensorProgram(program, len(inputs), windows)
         rows = Dim("kv_rows", min=1, max=specs.capacity_bound)
-        private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, "cpu")
-        dyn = dyn + [{1: rows} for _ in private]
+        private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, "cpu", windows, specs.max_write)
+        # Flat storage binds a prefix of any length; rings are bound whole.
+        dyn = dyn + [{1: rows} if windows[i // 2] == 0 else None for i in range(2 * len(sites))]
+        if wrapper.has_length_input:
+            dyn.append(None)
         with torch.no_grad():
             compiled_ep = torch.export.export(wrapper, tuple(examples + private), dynamic_shapes={"args": tuple(dyn)}, strict=False)
         num_outputs = len(compiled_ep.graph_signature.user_outputs)
@@ -157,6 +159,8 @@ class OffGraphKVBackend(BackendDetails):
         code_key = "offgraph_kv_" + hashlib.sha256(so_bytes).hexdigest()[:32] + "_so"
 
         manifest = build_manifest(sites, specs, len(inputs), num_outputs, code_key, target_of(device))
+        if wrapper.has_length_input:
+            manifest.length_input = len(inputs) + 2 * len(sites)
         validate_manifest(manifest, compiled_ep)
         report = prove_storage_omission(compiled_ep, edge_program, manifest)
         log.info("offgraph-kv: %d weight bytes compiled in, %d KV bytes/token left to the runtime",

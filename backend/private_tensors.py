@@ -25,13 +25,14 @@ _BOUND = threading.local()
 
 
 @contextmanager
-def _bound(stores: Dict[int, Tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    prev = getattr(_BOUND, "stores", None)
-    _BOUND.stores = stores
+def _bound(stores: Dict[int, Tuple[torch.Tensor, torch.Tensor]], windows: Dict[int, int],
+           length: "torch.Tensor | None") -> Iterator[None]:
+    prev = (getattr(_BOUND, "stores", None), getattr(_BOUND, "windows", None), getattr(_BOUND, "length", None))
+    _BOUND.stores, _BOUND.windows, _BOUND.length = stores, windows, length
     try:
         yield
     finally:
-        _BOUND.stores = prev
+        _BOUND.stores, _BOUND.windows, _BOUND.length = prev
 
 
 def write_and_attend_flat(
@@ -66,29 +67,81 @@ def write_and_attend_flat(
     return out.to(out_dtype)
 
 
+def write_and_attend_ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_ring: torch.Tensor,
+    v_ring: torch.Tensor,
+    length: torch.Tensor,
+    window: int,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """One ring layer's step: write at ``position mod slots``, attend a band.
+
+    ``k_ring``/``v_ring`` are the whole ring ``[1, R, H_kv, D]`` with
+    ``R = window + max_write - 1``; ``length`` (int64 ``[1]``) is the committed
+    length, so this step's tokens take positions ``length .. length + T - 1``.
+    Because ``R >= window + T - 1``, the slots a step overwrites only ever held
+    positions already outside every window that the committed state or this
+    step's own queries still need.
+    """
+    t = q.shape[2]
+    slots = k_ring.shape[1]
+    offsets = torch.arange(t, device=q.device)
+    query_pos = length + offsets  # [T]
+    idx = query_pos % slots
+    k_ring.index_copy_(1, idx, k.transpose(1, 2).to(k_ring.dtype))
+    v_ring.index_copy_(1, idx, v.transpose(1, 2).to(v_ring.dtype))
+    # The newest position each slot holds after the write (negative: never written).
+    total = length + t
+    slot = torch.arange(slots, device=q.device)
+    slot_pos = total - 1 - torch.remainder(total - 1 - slot, slots)
+    qp = query_pos.unsqueeze(1)
+    kp = slot_pos.unsqueeze(0)
+    mask = (kp >= 0) & (kp <= qp) & (kp > qp - window)
+    keys = k_ring.transpose(1, 2).to(torch.float32)
+    values = v_ring.transpose(1, 2).to(torch.float32)
+    out = F.scaled_dot_product_attention(
+        q.to(torch.float32), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.to(out_dtype)
+
+
 def _lowered_update_and_attend(q, k, v, position, layer_id, scale, out_dtype):  # noqa: ANN001
     """Stands in for the cache op while the program is re-traced for compilation."""
     k_store, v_store = _BOUND.stores[layer_id]
+    window = _BOUND.windows.get(layer_id, 0)
+    if window > 0:
+        return write_and_attend_ring(q, k, v, k_store, v_store, _BOUND.length, window, scale, out_dtype)
     return write_and_attend_flat(q, k, v, k_store, v_store, scale, out_dtype)
 
 
 class PrivateTensorProgram(nn.Module):
     """The partition's program with its cache ops bound to private-tensor inputs.
 
-    ``forward(*user_inputs, k_0, v_0, k_1, v_1, ...)``: the private tensors come
-    after the delegate's own inputs, two per layer in layer order.
+    ``forward(*user_inputs, k_0, v_0, k_1, v_1, ..., [length])``: the private
+    tensors come after the delegate's own inputs, two per layer in layer order,
+    then, when any layer is a ring, the committed length (int64 ``[1]``).
     """
 
-    def __init__(self, program: fx.GraphModule, num_user_inputs: int, num_layers: int) -> None:
+    def __init__(self, program: fx.GraphModule, num_user_inputs: int, windows: Sequence[int]) -> None:
         super().__init__()
         self.program = program
         self.num_user_inputs = num_user_inputs
-        self.num_layers = num_layers
+        self.windows = {i: w for i, w in enumerate(windows) if w > 0}
+        self.num_layers = len(windows)
+
+    @property
+    def has_length_input(self) -> bool:
+        return bool(self.windows)
 
     def forward(self, *args: torch.Tensor):  # noqa: ANN201
         user, private = args[: self.num_user_inputs], args[self.num_user_inputs:]
         stores = {i: (private[2 * i], private[2 * i + 1]) for i in range(self.num_layers)}
-        with _bound(stores):
+        length = private[2 * self.num_layers] if self.has_length_input else None
+        with _bound(stores, self.windows, length):
             return self.program(*user)
 
 
@@ -102,12 +155,23 @@ def bind_private_tensors(program: fx.GraphModule) -> List[CacheOpSite]:
     return sites
 
 
+def ring_slots(window: int, max_write: int) -> int:
+    """Slots a ring needs so a step of max_write tokens never evicts needed context."""
+    return window + max_write - 1
+
+
 def private_tensor_examples(
-    sites: Sequence[CacheOpSite], rows: int, dtype: torch.dtype, device: str
+    sites: Sequence[CacheOpSite], rows: int, dtype: torch.dtype, device: str,
+    windows: Sequence[int], max_write: int,
 ) -> List[torch.Tensor]:
-    """Example K/V storage for tracing: ``[1, rows, H_kv, D]`` per tensor."""
+    """Example storage for tracing: ``[1, rows, H_kv, D]`` per flat tensor,
+    ``[1, slots, H_kv, D]`` per ring tensor, then the length when rings exist."""
     out = []
     for s in sites:
-        out.append(torch.zeros(1, rows, s.num_kv_heads, s.head_dim, dtype=dtype, device=device))
-        out.append(torch.zeros(1, rows, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=device))
+        w = windows[s.layer_id]
+        n = ring_slots(w, max_write) if w > 0 else rows
+        out.append(torch.zeros(1, n, s.num_kv_heads, s.head_dim, dtype=dtype, device=device))
+        out.append(torch.zeros(1, n, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=device))
+    if any(w > 0 for w in windows):
+        out.append(torch.zeros(1, dtype=torch.long, device=device))
     return out

@@ -86,6 +86,7 @@ class Manifest:
     tensors: List[PrivateTensor] = field(default_factory=list)
     batch: int = 1
     version: int = MANIFEST_VERSION
+    length_input: "int | None" = None  # compiled input of the int64 [1] committed length (rings)
 
     def kv_bytes_per_token(self) -> int:
         return sum(t.bytes_per_row() for t in self.tensors)
@@ -105,6 +106,8 @@ class Manifest:
         m.maxCapacity = self.max_capacity
         m.growthFactor = self.growth_factor
         m.compiledCodeKey = self.compiled_code_key
+        m.hasLengthInput = self.length_input is not None
+        m.lengthInput = self.length_input or 0
         m.tensors = []
         for t in self.tensors:
             p = fb.PrivateTensorT()
@@ -147,6 +150,7 @@ class Manifest:
             compiled_code_key=m.compiledCodeKey.decode(),
             batch=m.batch,
             version=m.version,
+            length_input=m.lengthInput if m.hasLengthInput else None,
             tensors=[
                 PrivateTensor(
                     layer=p.layer,

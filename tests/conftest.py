@@ -41,8 +41,9 @@ def toy_model(args: ModelArgs = TOY, seed: int = 0) -> Transformer:
     return init_deterministic(Transformer(args), seed=seed).eval()
 
 
-def lower(model: torch.nn.Module, max_write: int = MAX_WRITE, **partitioner: object) -> bytes:
-    ep = torch.export.export(model, example_inputs(4), dynamic_shapes=dynamic_shapes(max_write))
+def lower(model: torch.nn.Module, export_bound: int = MAX_WRITE, **partitioner: object) -> bytes:
+    """Export with step widths up to ``export_bound`` and lower with the given partitioner arguments."""
+    ep = torch.export.export(model, example_inputs(4), dynamic_shapes=dynamic_shapes(export_bound))
     prog = to_edge_transform_and_lower(ep, partitioner=[OffGraphKVPartitioner(**partitioner)])
     return prog.to_executorch().buffer
 

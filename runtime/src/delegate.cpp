@@ -39,6 +39,7 @@ struct DelegateState {
   std::unique_ptr<CompiledProgram> program;
   std::shared_ptr<KVStore> store;
   std::vector<TensorDesc> inputs;  // reused every step: no per-step allocation
+  int64_t committed_length = 0;    // what rings read as their base position
 };
 
 Error fail(const Status& s, const char* stage) {
@@ -133,7 +134,7 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
   state->program = CompiledProgram::load(code->data(), code->size(), m.device == DeviceKind::CUDA ? "cuda" : "cpu", &s);
   code->Free();
   if (!s.ok()) return fail(s, "init");
-  const size_t expected_inputs = m.num_user_inputs + m.tensors.size();
+  const size_t expected_inputs = m.num_compiled_inputs();
   if (state->program->num_inputs() != expected_inputs || state->program->num_outputs() != m.num_outputs)
     return fail(Status(Error::InvalidProgram,
                        "manifest describes " + std::to_string(expected_inputs) + " inputs and " +
@@ -198,6 +199,14 @@ Error OffGraphKVDelegate::execute(BackendExecutionContext&, DelegateHandle* hand
                                                  : int32_t(AotiDType::BFloat16);
     d.sizes = {1, b.rows, h, hd};
     d.strides = {b.rows * h * hd, h * hd, hd, 1};
+  }
+  if (m.has_length_input) {
+    state->committed_length = int64_t(store.length());
+    TensorDesc& d = state->inputs[m.length_input];
+    d.data = &state->committed_length;
+    d.dtype = int32_t(AotiDType::Int64);
+    d.sizes = {1};
+    d.strides = {1};
   }
   s = state->program->run(state->inputs, nullptr, [&](size_t i, const OutputView& out) {
     return copy_output(i, out, args[m.num_user_inputs + i]);

@@ -16,6 +16,7 @@ class DeviceMemory {
   // Must not free while work that reads `ptr` may still be in flight.
   virtual void release(void* ptr) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* dst, size_t bytes) = 0;
   virtual const char* name() const = 0;
 };
 

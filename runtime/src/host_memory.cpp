@@ -16,6 +16,7 @@ class HostMemory final : public DeviceMemory {
   void copy(void* dst, const void* src, size_t bytes) override {
     std::memcpy(dst, src, bytes);
   }
+  void zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
   const char* name() const override { return "cpu"; }
 };
 

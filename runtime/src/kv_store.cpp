@@ -34,6 +34,8 @@ std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, Growth
                            std::to_string(bytes) + " bytes of ring storage");
       return nullptr;
     }
+    // Empty slots are masked, but 0 x NaN is NaN: never leave garbage in a ring.
+    store->memory_->zero(store->buffers_[i].data(), bytes);
     store->note_allocated(bytes);
   }
   Status s = store->resize_flat(policy.initial_capacity, 0);

@@ -50,7 +50,14 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
   out->tensors.clear();
 
   std::set<uint32_t> inputs;
-  const uint32_t num_inputs = out->num_user_inputs + m->tensors()->size();
+  out->has_length_input = m->has_length_input();
+  out->length_input = m->length_input();
+  const uint32_t num_inputs = out->num_user_inputs + m->tensors()->size() + (out->has_length_input ? 1 : 0);
+  if (out->has_length_input) {
+    if (out->length_input < out->num_user_inputs || out->length_input >= num_inputs)
+      return invalid("length_input " + std::to_string(out->length_input) + " outside the private inputs");
+    inputs.insert(out->length_input);
+  }
   for (uint32_t i = 0; i < m->tensors()->size(); ++i) {
     const fb::PrivateTensor* p = m->tensors()->Get(i);
     const std::string where = "tensor " + std::to_string(i) + " (layer " + std::to_string(p->layer()) + ")";
@@ -80,6 +87,8 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
     t.compiled_input = p->compiled_input();
     if (!out->tensors.empty() && t.dtype != out->tensors.front().dtype)
       return invalid(where + ": mixed storage dtypes in one store");
+    if (t.kind == LayerKind::Ring && !out->has_length_input)
+      return invalid(where + ": a ring layer needs the length input, which the manifest lacks");
     out->tensors.push_back(t);
   }
   return Status::ok_status();

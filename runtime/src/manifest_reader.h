@@ -27,6 +27,10 @@ struct ManifestInfo {
   GrowthPolicy defaults;
   std::string compiled_code_key;
   std::vector<TensorSpec> tensors;
+  bool has_length_input = false;  // rings read the committed length from it
+  uint32_t length_input = 0;
+
+  size_t num_compiled_inputs() const { return num_user_inputs + tensors.size() + (has_length_input ? 1 : 0); }
 };
 
 // Verifies the buffer, checks the version and every field; the message names

@@ -48,6 +48,7 @@ class FailingMemory final : public DeviceMemory {
   }
   void release(void* p) override { host_memory()->release(p); }
   void copy(void* d, const void* s, size_t n) override { host_memory()->copy(d, s, n); }
+  void zero(void* d, size_t n) override { host_memory()->zero(d, n); }
   const char* name() const override { return "failing"; }
 };
 
