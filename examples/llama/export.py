@@ -174,9 +174,20 @@ def tokenizer_info(a: argparse.Namespace, ck: LoadedCheckpoint) -> Dict[str, obj
     return info
 
 
+def _row_bytes(args: ModelArgs, storage_dtype: str) -> int:
+    return 2 * args.n_kv_heads * args.head_dim * _STORAGE_BYTES[storage_dtype]  # K and V
+
+
 def kv_bytes_per_token(args: ModelArgs, storage_dtype: str) -> int:
-    """K and V bytes one token adds to a flat layer, summed over layers."""
-    return 2 * args.n_layers * args.n_kv_heads * args.head_dim * _STORAGE_BYTES[storage_dtype]
+    """K and V bytes one more token of context adds, summed over the flat (full-attention) layers."""
+    flat = sum(1 for i in range(args.n_layers) if args.window_of(i) == 0)
+    return flat * _row_bytes(args, storage_dtype)
+
+
+def ring_bytes(args: ModelArgs, storage_dtype: str, max_write: int) -> int:
+    """Fixed K and V bytes of the sliding-window layers: window + max_write - 1 slots each."""
+    return sum((args.window_of(i) + max_write - 1) * _row_bytes(args, storage_dtype)
+               for i in range(args.n_layers) if args.window_of(i) > 0)
 
 
 def scan_pte(data: bytes) -> Dict[str, int]:
@@ -271,6 +282,7 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
         "weight_bytes": weight_bytes,
         "compiled_weight_bytes": compiled_weights,
         "kv_bytes_per_token": kv_bytes_per_token(args, a.storage_dtype),
+        "kv_ring_bytes": ring_bytes(args, a.storage_dtype, a.max_write),
         "kv_bytes_in_file": kv_in_file,
         "pte_scan": scan,
         "model_args": args.to_dict(),
@@ -304,7 +316,9 @@ def print_summary(s: Dict[str, object]) -> None:
     print(f"  model             {args['n_layers']} layers, dim {args['dim']}, {args['n_heads']} q / "
           f"{args['n_kv_heads']} kv heads, vocab {args['vocab_size']}, weights {s['weights_dtype']}")
     print(f"  parameters        {s['parameters']:,} ({_fmt_bytes(s['weight_bytes'])})")
-    print(f"  KV per token      {_fmt_bytes(s['kv_bytes_per_token'])} ({s['storage_dtype']} storage, allocated at run time)")
+    rings = f" + {_fmt_bytes(s['kv_ring_bytes'])} fixed for sliding-window layers" if s.get("kv_ring_bytes") else ""
+    print(f"  KV per token      {_fmt_bytes(s['kv_bytes_per_token'])}{rings} "
+          f"({s['storage_dtype']} storage, allocated at run time)")
     print(f"  max write / step  {s['max_write']} tokens; initial capacity {s['initial_capacity']} rows, "
           f"max {s['max_capacity'] or 'compiled bound'}")
     print(f"  file breakdown    compiled code + weights {_fmt_bytes(scan['named_data_bytes'])}, "
