@@ -133,13 +133,23 @@ class OffGraphKVBackend(BackendDetails):
 
         locate(sites, [n.meta["val"].shape for n in inputs], specs.step_width)
 
+        device = specs.device
+        if device == "cuda":
+            if not torch.cuda.is_available():
+                raise LoweringError("device='cuda' needs a CUDA device at export: AOTInductor compiles for the GPU it sees")
+            from torch.export.passes import move_to_device_pass
+
+            # Weights and constants go to the device; the trace then happens there.
+            edge_program = move_to_device_pass(edge_program, "cuda")
+            inputs = _user_inputs(edge_program)
         examples, dyn = _examples_and_dims(edge_program, inputs, sites[0].width)
+        examples = [e.to(device) for e in examples]
         program = edge_to_aten(edge_program.module())
         bind_private_tensors(program)
         windows = [p.window if p.kind is LayerKind.RING else 0 for p in specs.layers]
         wrapper = PrivateTensorProgram(program, len(inputs), windows)
         rows = Dim("kv_rows", min=1, max=specs.capacity_bound)
-        private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, "cpu", windows, specs.max_write)
+        private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, device, windows, specs.max_write)
         # Flat storage binds a prefix of any length; rings are bound whole.
         dyn = dyn + [{1: rows} if windows[i // 2] == 0 else None for i in range(2 * len(sites))]
         if wrapper.has_length_input:
@@ -147,14 +157,6 @@ class OffGraphKVBackend(BackendDetails):
         with torch.no_grad():
             compiled_ep = torch.export.export(wrapper, tuple(examples + private), dynamic_shapes={"args": tuple(dyn)}, strict=False)
         num_outputs = len(compiled_ep.graph_signature.user_outputs)
-
-        device = specs.device
-        if device == "cuda":
-            from torch.export.passes import move_to_device_pass
-
-            compiled_ep = move_to_device_pass(compiled_ep, "cuda")
-            examples = [e.cuda() for e in examples]
-            private = [p.cuda() for p in private]
         so_bytes = compile_shared_object(compiled_ep, examples + private, device)
         code_key = "offgraph_kv_" + hashlib.sha256(so_bytes).hexdigest()[:32] + "_so"
 

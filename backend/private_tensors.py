@@ -35,6 +35,18 @@ def _bound(stores: Dict[int, Tuple[torch.Tensor, torch.Tensor]], windows: Dict[i
         _BOUND.stores, _BOUND.windows, _BOUND.length = prev
 
 
+def attention_dtype(storage: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention runs in.
+
+    On CPU, fp32 (the oracle's own arithmetic). On CUDA, 16-bit storage is read
+    as is: the fused SDPA kernels take 16-bit inputs and accumulate in fp32, and
+    an fp32 copy of the whole history would triple the bytes a decode step moves.
+    """
+    if device.type == "cuda" and storage in (torch.bfloat16, torch.float16):
+        return storage
+    return torch.float32
+
+
 def write_and_attend_flat(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -55,14 +67,15 @@ def write_and_attend_flat(
     # Write: cast to storage dtype on write, as the oracle does.
     k_store.narrow(1, s - t, t).copy_(k.transpose(1, 2))
     v_store.narrow(1, s - t, t).copy_(v.transpose(1, 2))
-    keys = k_store.transpose(1, 2).to(torch.float32)
-    values = v_store.transpose(1, 2).to(torch.float32)
+    compute = attention_dtype(k_store.dtype, q.device)
+    keys = k_store.transpose(1, 2).to(compute)
+    values = v_store.transpose(1, 2).to(compute)
     # Lower-right causal: query i sees keys up to s - t + i.
     key_pos = torch.arange(s, device=q.device)
     query_pos = torch.arange(t, device=q.device) + (s - t)
     mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
     out = F.scaled_dot_product_attention(
-        q.to(torch.float32), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        q.to(compute), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.to(out_dtype)
 
@@ -101,10 +114,11 @@ def write_and_attend_ring(
     qp = query_pos.unsqueeze(1)
     kp = slot_pos.unsqueeze(0)
     mask = (kp >= 0) & (kp <= qp) & (kp > qp - window)
-    keys = k_ring.transpose(1, 2).to(torch.float32)
-    values = v_ring.transpose(1, 2).to(torch.float32)
+    compute = attention_dtype(k_ring.dtype, q.device)
+    keys = k_ring.transpose(1, 2).to(compute)
+    values = v_ring.transpose(1, 2).to(compute)
     out = F.scaled_dot_product_attention(
-        q.to(torch.float32), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        q.to(compute), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.to(out_dtype)
 

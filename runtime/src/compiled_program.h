@@ -42,10 +42,11 @@ class CompiledProgram {
   size_t num_inputs() const { return num_inputs_; }
   size_t num_outputs() const { return num_outputs_; }
 
-  // Runs with the given inputs (memory borrowed, never owned by the program)
-  // and hands each output to `sink` before releasing it. `stream` may be null.
-  template <typename Sink>
-  Status run(const std::vector<TensorDesc>& inputs, void* stream, Sink&& sink);
+  // Runs with the given inputs (memory borrowed, never owned by the program),
+  // hands each output to `sink`, then calls `settle` (which waits for any
+  // queued copies) before the outputs are released. `stream` may be null.
+  template <typename Sink, typename Settle>
+  Status run(const std::vector<TensorDesc>& inputs, void* stream, Sink&& sink, Settle&& settle);
 
  private:
   CompiledProgram() = default;
@@ -69,17 +70,19 @@ class CompiledProgram {
   DeleteTensorFn delete_tensor_ = nullptr;
 };
 
-template <typename Sink>
-Status CompiledProgram::run(const std::vector<TensorDesc>& inputs, void* stream, Sink&& sink) {
+template <typename Sink, typename Settle>
+Status CompiledProgram::run(const std::vector<TensorDesc>& inputs, void* stream, Sink&& sink, Settle&& settle) {
   std::vector<AtenTensorHandle> outputs;
   Status s = run_raw(inputs, stream, &outputs);
   if (!s.ok()) return s;
-  for (size_t i = 0; i < outputs.size(); ++i) {
+  for (size_t i = 0; i < outputs.size() && s.ok(); ++i) {
     OutputView view;
-    if (s.ok()) s = describe(outputs[i], &view);
+    s = describe(outputs[i], &view);
     if (s.ok()) s = sink(i, view);
-    release(outputs[i]);  // outputs are ours to release, on every path
   }
+  Status settled = settle();
+  if (s.ok()) s = settled;
+  for (AtenTensorHandle h : outputs) release(h);  // ours to release, on every path
   return s;
 }
 

@@ -3,6 +3,7 @@
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/platform/log.h>
 
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -14,6 +15,7 @@
 #include "kv_store.h"
 #include "load_policy.h"
 #include "manifest_reader.h"
+#include "step_io.h"
 #include "step_width.h"
 #include "store_registry.h"
 
@@ -37,9 +39,9 @@ struct DelegateState {
   ManifestInfo manifest;
   StepWidthLocator width_at;
   std::unique_ptr<CompiledProgram> program;
+  std::unique_ptr<StepIO> io;      // declared before the store: storage is freed on its stream first
   std::shared_ptr<KVStore> store;
   std::vector<TensorDesc> inputs;  // reused every step: no per-step allocation
-  int64_t committed_length = 0;    // what rings read as their base position
 };
 
 Error fail(const Status& s, const char* stage) {
@@ -57,17 +59,14 @@ Status find_step_width(ArrayRef<CompileSpec> specs, StepWidthLocator* out) {
   return Status(Error::InvalidProgram, "compile spec step_width is missing; lower with OffGraphKVPartitioner");
 }
 
-std::shared_ptr<DeviceMemory> memory_for(DeviceKind device, Status* status) {
-  if (device == DeviceKind::CPU) return host_memory();
-  *status = Status(Error::NotSupported, "this build of the offgraph-kv runtime has no CUDA support");
-  return nullptr;
+std::unique_ptr<StepIO> io_for(DeviceKind device, Status* status) {
+  if (device == DeviceKind::CPU) return host_step_io();
+  return cuda_step_io(status);
 }
 
-void describe_input(const Tensor& t, TensorDesc* d) {
-  d->data = t.mutable_data_ptr();
-  d->dtype = static_cast<int32_t>(t.scalar_type());
-  d->sizes.assign(t.sizes().begin(), t.sizes().end());
-  d->strides.assign(t.strides().begin(), t.strides().end());
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 // Pairs prepare_step with commit or abort on every exit of execute.
@@ -87,7 +86,7 @@ class StepGuard {
   bool committed_ = false;
 };
 
-Status copy_output(size_t index, const OutputView& out, EValue* value) {
+Status copy_output(StepIO& io, size_t index, const OutputView& out, EValue* value) {
   if (!value->isTensor()) return Status(Error::InvalidArgument, "output " + std::to_string(index) + " is not a tensor");
   Tensor t = value->toTensor();
   if (static_cast<int32_t>(t.scalar_type()) != out.dtype)
@@ -97,8 +96,7 @@ Status copy_output(size_t index, const OutputView& out, EValue* value) {
   std::vector<SizesType> sizes(out.sizes.begin(), out.sizes.end());
   if (executorch::runtime::resize_tensor(t, {sizes.data(), sizes.size()}) != Error::Ok)
     return Status(Error::InvalidArgument, "output " + std::to_string(index) + " cannot take the compiled shape");
-  std::memcpy(t.mutable_data_ptr(), out.data, t.nbytes());
-  return Status::ok_status();
+  return io.fetch_output(out, t.mutable_data_ptr(), t.nbytes());
 }
 
 }  // namespace
@@ -146,9 +144,9 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
   const GrowthPolicy policy = resolve_policy(m.defaults, context.runtime_specs());
   const std::string bad = policy.validate(m.capacity_bound);
   if (!bad.empty()) return fail(Status(Error::InvalidArgument, "load policy: " + bad), "init");
-  auto memory = memory_for(m.device, &s);
-  if (!memory) return fail(s, "init");
-  std::unique_ptr<KVStore> store = KVStore::create(m.tensors, policy, m.max_write, memory, &s);
+  state->io = io_for(m.device, &s);
+  if (!state->io) return fail(s, "init");
+  std::unique_ptr<KVStore> store = KVStore::create(m.tensors, policy, m.max_write, state->io->memory(), &s);
   if (!store) return fail(s, "init");
   state->store = std::move(store);
   register_store(state->store);
@@ -177,7 +175,9 @@ Error OffGraphKVDelegate::execute(BackendExecutionContext&, DelegateHandle* hand
                 "execute");
   const size_t width = size_t(width_input.size(at.dim));
 
+  const int64_t host_start = now_ns();
   KVStore& store = *state->store;
+  StepIO& io = *state->io;
   Status s = store.prepare_step(width);
   if (!s.ok()) return fail(s, "execute");
   StepGuard step(store);
@@ -185,7 +185,7 @@ Error OffGraphKVDelegate::execute(BackendExecutionContext&, DelegateHandle* hand
   for (size_t i = 0; i < m.num_user_inputs; ++i) {
     if (!args[i]->isTensor())
       return fail(Status(Error::InvalidArgument, "input " + std::to_string(i) + " is not a tensor"), "execute");
-    describe_input(args[i]->toTensor(), &state->inputs[i]);
+    if (!(s = io.stage_input(i, args[i]->toTensor(), &state->inputs[i])).ok()) return fail(s, "execute");
   }
   const auto& tensors = store.tensors();
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -200,19 +200,18 @@ Error OffGraphKVDelegate::execute(BackendExecutionContext&, DelegateHandle* hand
     d.sizes = {1, b.rows, h, hd};
     d.strides = {b.rows * h * hd, h * hd, hd, 1};
   }
-  if (m.has_length_input) {
-    state->committed_length = int64_t(store.length());
-    TensorDesc& d = state->inputs[m.length_input];
-    d.data = &state->committed_length;
-    d.dtype = int32_t(AotiDType::Int64);
-    d.sizes = {1};
-    d.strides = {1};
-  }
-  s = state->program->run(state->inputs, nullptr, [&](size_t i, const OutputView& out) {
-    return copy_output(i, out, args[m.num_user_inputs + i]);
-  });
+  if (m.has_length_input && !(s = io.stage_length(int64_t(store.length()), &state->inputs[m.length_input])).ok())
+    return fail(s, "execute");
+  const int64_t run_start = now_ns();
+  s = state->program->run(
+      state->inputs, io.stream(),
+      [&](size_t i, const OutputView& out) { return copy_output(io, i, out, args[m.num_user_inputs + i]); },
+      [&]() { return io.finish(); });
+  const int64_t run_end = now_ns();
   if (!s.ok()) return fail(s, "execute");
   step.commit();
+  // Host work of the step, apart from the compiled code and its output copy.
+  store.record_host_time(uint64_t((run_start - host_start) + (now_ns() - run_end)));
   return Error::Ok;
 }
 

@@ -134,6 +134,7 @@ Status KVStore::prepare_step(size_t width) {
 }
 
 void KVStore::commit_step() {
+  if (pending_ != 0) ++steps_;
   length_ += pending_;
   pending_ = 0;
 }
@@ -169,6 +170,8 @@ StoreMetrics KVStore::metrics() const {
   m.allocated_bytes = allocated_;
   m.peak_bytes = peak_;
   m.growths = growths_;
+  m.steps = steps_;
+  m.host_ns = host_ns_;
   m.dtype = tensors_.empty() ? StorageDType::BFloat16 : tensors_[0].dtype;
   for (size_t i = 0; i < tensors_.size(); ++i) {
     const TensorSpec& t = tensors_[i];

@@ -57,6 +57,8 @@ struct StoreMetrics {
   size_t allocated_bytes = 0;
   size_t peak_bytes = 0;
   size_t growths = 0;
+  size_t steps = 0;         // committed steps
+  uint64_t host_ns = 0;     // host work of those steps (width, prepare, bind, commit)
   StorageDType dtype = StorageDType::BFloat16;
   std::vector<LayerMetrics> layers;
 };
@@ -82,6 +84,7 @@ class KVStore {
   Status reset(bool release_memory);
 
   StoreMetrics metrics() const;
+  void record_host_time(uint64_t ns) { host_ns_ += ns; }
   size_t length() const { return length_; }
   size_t capacity() const { return capacity_; }
   size_t pending_width() const { return pending_; }
@@ -113,6 +116,8 @@ class KVStore {
   size_t allocated_ = 0;
   size_t peak_ = 0;
   size_t growths_ = 0;
+  size_t steps_ = 0;
+  uint64_t host_ns_ = 0;
 };
 
 }  // namespace offgraph_kv

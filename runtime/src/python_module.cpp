@@ -36,6 +36,8 @@ py::dict metrics_dict(const KVStore& store) {
   d["allocated_bytes"] = m.allocated_bytes;
   d["peak_bytes"] = m.peak_bytes;
   d["growths"] = m.growths;
+  d["steps"] = m.steps;
+  d["host_us_per_step"] = m.steps ? double(m.host_ns) / 1000.0 / double(m.steps) : 0.0;
   d["storage_dtype"] = dtype_name(m.dtype);
   d["max_capacity"] = store.policy().max_capacity;
   d["initial_capacity"] = store.policy().initial_capacity;

@@ -1,0 +1,128 @@
+// CUDA storage and step I/O. Everything is ordered on one execution stream:
+// allocation (cudaMallocAsync), growth copies, frees (cudaFreeAsync, so nothing
+// is released while a kernel that reads it may still be queued), input staging
+// and the output copy, after which the only host synchronisation of a step waits.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "step_io.h"
+
+namespace offgraph_kv {
+namespace {
+
+std::string cuda_error(const char* what, cudaError_t e) {
+  return std::string(what) + ": " + cudaGetErrorString(e);
+}
+
+class CudaStreamMemory final : public DeviceMemory {
+ public:
+  explicit CudaStreamMemory(cudaStream_t stream) : stream_(stream) {}
+  void* allocate(size_t bytes) override {
+    void* p = nullptr;
+    return cudaMallocAsync(&p, bytes, stream_) == cudaSuccess ? p : nullptr;
+  }
+  void release(void* ptr) override { cudaFreeAsync(ptr, stream_); }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
+  }
+  void zero(void* dst, size_t bytes) override { cudaMemsetAsync(dst, 0, bytes, stream_); }
+  const char* name() const override { return "cuda"; }
+
+ private:
+  cudaStream_t stream_;
+};
+
+class CudaStepIO final : public StepIO {
+ public:
+  static std::unique_ptr<CudaStepIO> create(Status* status) {
+    std::unique_ptr<CudaStepIO> io(new CudaStepIO());
+    cudaError_t e = cudaStreamCreateWithFlags(&io->stream_, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+      *status = Status(Error::NotSupported, cuda_error("no usable CUDA device", e));
+      return nullptr;
+    }
+    // Pinned, so the per-step length upload is a true async copy.
+    e = cudaMallocHost(reinterpret_cast<void**>(&io->length_host_), sizeof(int64_t));
+    if (e != cudaSuccess) {
+      *status = Status(Error::MemoryAllocationFailed, cuda_error("cudaMallocHost", e));
+      return nullptr;
+    }
+    io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_);
+    io->length_device_ = allocate_buffer(io->memory_, sizeof(int64_t));
+    *status = Status::ok_status();
+    return io;
+  }
+
+  ~CudaStepIO() override {
+    staged_.clear();
+    length_device_.reset();
+    if (stream_ != nullptr) {
+      cudaStreamSynchronize(stream_);  // queued frees and copies complete first
+      cudaStreamDestroy(stream_);
+    }
+    if (length_host_ != nullptr) cudaFreeHost(length_host_);
+  }
+
+  Status stage_input(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) override {
+    if (staged_.size() <= index) staged_.resize(index + 1);
+    Buffer& buf = staged_[index];
+    const size_t bytes = t.nbytes();
+    if (buf.bytes() < bytes) {
+      buf = allocate_buffer(memory_, bytes < 256 ? 256 : bytes * 2);  // headroom: prefill widths vary
+      if (buf.data() == nullptr)
+        return Status(Error::MemoryAllocationFailed, "cannot stage input " + std::to_string(index) + " on the device");
+    }
+    if (bytes > 0) {
+      const cudaError_t e = cudaMemcpyAsync(buf.data(), t.const_data_ptr(), bytes, cudaMemcpyHostToDevice, stream_);
+      if (e != cudaSuccess) return Status(Error::Internal, cuda_error("input copy", e));
+    }
+    d->data = buf.data();
+    d->dtype = static_cast<int32_t>(t.scalar_type());
+    d->sizes.assign(t.sizes().begin(), t.sizes().end());
+    d->strides.assign(t.strides().begin(), t.strides().end());
+    return Status::ok_status();
+  }
+
+  Status stage_length(int64_t length, TensorDesc* d) override {
+    // The previous step's upload has completed: finish() synchronised.
+    *length_host_ = length;
+    const cudaError_t e =
+        cudaMemcpyAsync(length_device_.data(), length_host_, sizeof(int64_t), cudaMemcpyHostToDevice, stream_);
+    if (e != cudaSuccess) return Status(Error::Internal, cuda_error("length upload", e));
+    d->data = length_device_.data();
+    d->dtype = int32_t(AotiDType::Int64);
+    d->sizes = {1};
+    d->strides = {1};
+    return Status::ok_status();
+  }
+
+  Status fetch_output(const OutputView& out, void* host, size_t bytes) override {
+    const cudaError_t e = cudaMemcpyAsync(host, out.data, bytes, cudaMemcpyDeviceToHost, stream_);
+    return e == cudaSuccess ? Status::ok_status() : Status(Error::Internal, cuda_error("output copy", e));
+  }
+
+  Status finish() override {
+    const cudaError_t e = cudaStreamSynchronize(stream_);
+    return e == cudaSuccess ? Status::ok_status() : Status(Error::Internal, cuda_error("step", e));
+  }
+
+  void* stream() override { return stream_; }
+  std::shared_ptr<DeviceMemory> memory() override { return memory_; }
+
+ private:
+  CudaStepIO() = default;
+  cudaStream_t stream_ = nullptr;
+  int64_t* length_host_ = nullptr;
+  std::shared_ptr<DeviceMemory> memory_;
+  Buffer length_device_;
+  std::vector<Buffer> staged_;
+};
+
+}  // namespace
+
+std::unique_ptr<StepIO> cuda_step_io(Status* status) { return CudaStepIO::create(status); }
+
+}  // namespace offgraph_kv

@@ -1,0 +1,49 @@
+#include <cstring>
+
+#include "step_io.h"
+
+namespace offgraph_kv {
+namespace {
+
+class HostStepIO final : public StepIO {
+ public:
+  Status stage_input(size_t, const executorch::aten::Tensor& t, TensorDesc* d) override {
+    d->data = t.mutable_data_ptr();
+    d->dtype = static_cast<int32_t>(t.scalar_type());
+    d->sizes.assign(t.sizes().begin(), t.sizes().end());
+    d->strides.assign(t.strides().begin(), t.strides().end());
+    return Status::ok_status();
+  }
+  Status stage_length(int64_t length, TensorDesc* d) override {
+    length_ = length;
+    d->data = &length_;
+    d->dtype = int32_t(AotiDType::Int64);
+    d->sizes = {1};
+    d->strides = {1};
+    return Status::ok_status();
+  }
+  Status fetch_output(const OutputView& out, void* host, size_t bytes) override {
+    std::memcpy(host, out.data, bytes);
+    return Status::ok_status();
+  }
+  Status finish() override { return Status::ok_status(); }
+  void* stream() override { return nullptr; }
+  std::shared_ptr<DeviceMemory> memory() override { return host_memory(); }
+
+ private:
+  int64_t length_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<StepIO> host_step_io() { return std::make_unique<HostStepIO>(); }
+
+#ifndef OFFGRAPH_KV_WITH_CUDA
+std::unique_ptr<StepIO> cuda_step_io(Status* status) {
+  *status = Status(Error::NotSupported,
+                   "this build of the offgraph-kv runtime has no CUDA support (rebuild where nvcc and the CUDA runtime are present)");
+  return nullptr;
+}
+#endif
+
+}  // namespace offgraph_kv

@@ -1,0 +1,38 @@
+// StepIO: moves one step's inputs and outputs between the ExecuTorch method
+// (host tensors) and wherever the compiled code runs. On the CPU it only
+// describes the method's own memory; on CUDA it stages token ids and positions
+// in and logits out on the execution stream.
+#pragma once
+
+#include <executorch/runtime/core/exec_aten/exec_aten.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "compiled_program.h"
+#include "device_memory.h"
+#include "manifest_reader.h"
+#include "status.h"
+
+namespace offgraph_kv {
+
+class StepIO {
+ public:
+  virtual ~StepIO() = default;
+  // Describe (and, off the host, copy) input `index` for the compiled code.
+  virtual Status stage_input(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) = 0;
+  // Describe the committed length (int64 [1]) rings read.
+  virtual Status stage_length(int64_t length, TensorDesc* d) = 0;
+  // Copy a compiled output into host memory of `bytes` bytes.
+  virtual Status fetch_output(const OutputView& out, void* host, size_t bytes) = 0;
+  // Wait for the step's outputs to be on the host.
+  virtual Status finish() = 0;
+  virtual void* stream() = 0;
+  virtual std::shared_ptr<DeviceMemory> memory() = 0;
+};
+
+std::unique_ptr<StepIO> host_step_io();
+// nullptr with a message when this build or machine has no CUDA.
+std::unique_ptr<StepIO> cuda_step_io(Status* status);
+
+}  // namespace offgraph_kv
