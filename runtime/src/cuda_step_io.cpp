@@ -29,6 +29,7 @@ class CudaStreamMemory final : public DeviceMemory {
     cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
   }
   void zero(void* dst, size_t bytes) override { cudaMemsetAsync(dst, 0, bytes, stream_); }
+  void synchronize() override { cudaStreamSynchronize(stream_); }
   const char* name() const override { return "cuda"; }
 
  private:

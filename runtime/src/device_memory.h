@@ -17,6 +17,8 @@ class DeviceMemory {
   virtual void release(void* ptr) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void zero(void* dst, size_t bytes) = 0;
+  // Wait until queued work (copies, frees) is done; host memory has none.
+  virtual void synchronize() {}
   virtual const char* name() const = 0;
 };
 

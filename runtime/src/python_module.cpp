@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "delegate.h"
+#include "growth_benchmark.h"
 #include "kv_store.h"
 #include "store_registry.h"
 
@@ -84,6 +85,20 @@ PYBIND11_MODULE(_runtime, m) {
       .def_property_readonly("length", &KVStore::length)
       .def_property_readonly("capacity", &KVStore::capacity);
 
+  m.def(
+      "time_growth",
+      [](const std::string& device, size_t layers, size_t heads, size_t head_dim, const std::string& dtype,
+         size_t rows_before, size_t rows_after, int repeats) {
+        const int code = dtype == "fp32" ? 0 : dtype == "fp16" ? 1 : dtype == "bf16" ? 2 : -1;
+        GrowthTiming t;
+        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, &t);
+        if (!s.ok()) throw std::runtime_error(s.message());
+        py::dict d;
+        d["seconds"] = t.seconds;
+        d["bytes_copied"] = t.bytes_copied;
+        return d;
+      },
+      "Benchmark hook: mean seconds of one store growth (allocate, copy, release) and the bytes it copies.");
   m.def("stores", &live_stores, "The stores of the methods loaded in this process, oldest first.");
   m.def(
       "set_options",

@@ -1,0 +1,32 @@
+"""A generation that grows the CUDA store three times, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python -m benchmarks.cuda_sanitize model.pte
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import offgraph_kv.runtime as rt
+from executorch.runtime import Runtime
+
+
+def main(path: str) -> int:
+    method = Runtime.get().load_program(path).load_method("forward")
+    store = rt.stores()[-1]
+    tok = torch.tensor([[1, 2, 3]])
+    length = 0
+    while store.metrics()["growths"] < 3 or length < 40:
+        w = tok.shape[1]
+        logits = method.execute([tok, torch.arange(length, length + w).unsqueeze(-1)])[0]
+        length += w
+        tok = logits[:, -1:].argmax(-1)
+    m = store.metrics()
+    print(f"length {m['length']} capacity {m['capacity']} growths {m['growths']}")
+    return 0 if m["growths"] >= 3 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

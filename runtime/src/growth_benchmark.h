@@ -1,0 +1,22 @@
+// Times the store's own growth path (allocate, contiguous copy, release) on a
+// device, so benchmarks compare it with a plain memcpy in the same run.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "status.h"
+
+namespace offgraph_kv {
+
+struct GrowthTiming {
+  double seconds = 0;        // mean per growth
+  size_t bytes_copied = 0;   // committed bytes moved per growth
+};
+
+// Fills `rows_before` rows of `layers` flat K/V pairs, then grows to
+// `rows_after`, `repeats` times (each on a fresh store).
+Status time_growth(const std::string& device, size_t layers, size_t heads, size_t head_dim, int dtype,
+                   size_t rows_before, size_t rows_after, int repeats, GrowthTiming* out);
+
+}  // namespace offgraph_kv
