@@ -148,7 +148,11 @@ class OffGraphKVBackend(BackendDetails):
         bind_private_tensors(program)
         windows = [p.window if p.kind is LayerKind.RING else 0 for p in specs.layers]
         wrapper = PrivateTensorProgram(program, len(inputs), windows)
-        rows = Dim("kv_rows", min=1, max=specs.capacity_bound)
+        # On CUDA the SDPA kernels add alignment guards (e.g. min(16*S, 32*S) == 16*S)
+        # that hold for every S but that export cannot prove over a named range;
+        # an automatic dim keeps them as (always true) runtime checks. The runtime
+        # enforces the capacity bound itself.
+        rows = Dim.DYNAMIC if device == "cuda" else Dim("kv_rows", min=1, max=specs.capacity_bound)
         private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, device, windows, specs.max_write)
         # Flat storage binds a prefix of any length; rings are bound whole.
         dyn = dyn + [{1: rows} if windows[i // 2] == 0 else None for i in range(2 * len(sites))]
