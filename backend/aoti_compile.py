@@ -37,7 +37,9 @@ def _symbolic_linking() -> Iterator[None]:
     loading the package recurses forever inside parse_device_str.
     """
     workdir = tempfile.mkdtemp(prefix="offgraph_kv_cxx_")
-    real = shutil.which(os.environ.get("CXX", "g++")) or "g++"
+    from torch._inductor import config as inductor_config
+
+    real = shutil.which(inductor_config.cpp.cxx[1] or "g++") or shutil.which("g++") or "g++"
     wrapper = os.path.join(workdir, "g++")
     with open(wrapper, "w") as f:
         f.write(
@@ -46,15 +48,13 @@ def _symbolic_linking() -> Iterator[None]:
             f'exec "{real}" "$@"\n'
         )
     os.chmod(wrapper, os.stat(wrapper).st_mode | stat.S_IEXEC)
-    old = os.environ.get("CXX")
-    os.environ["CXX"] = wrapper
+    # Inductor reads $CXX once, when its config is imported: patch the config itself.
+    from torch._inductor import config as inductor_config
+
     try:
-        yield
+        with inductor_config.patch({"cpp.cxx": (None, wrapper)}):
+            yield
     finally:
-        if old is None:
-            os.environ.pop("CXX", None)
-        else:
-            os.environ["CXX"] = old
         shutil.rmtree(workdir, ignore_errors=True)
 
 
