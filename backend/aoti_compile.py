@@ -48,13 +48,24 @@ def _symbolic_linking() -> Iterator[None]:
             f'exec "{real}" "$@"\n'
         )
     os.chmod(wrapper, os.stat(wrapper).st_mode | stat.S_IEXEC)
-    # Inductor reads $CXX once, when its config is imported: patch the config itself.
+    # Inductor reads $CXX when its config is imported, and compile workers read
+    # it when they start; cached objects from an earlier, non-symbolic build
+    # must not be reused. So: the config, the environment, in-process compiles
+    # and a private cache directory, for the duration of this compile.
     from torch._inductor import config as inductor_config
 
+    saved = {k: os.environ.get(k) for k in ("CXX", "TORCHINDUCTOR_CACHE_DIR")}
+    os.environ["CXX"] = wrapper
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(workdir, "cache")
     try:
-        with inductor_config.patch({"cpp.cxx": (None, wrapper)}):
+        with inductor_config.patch({"cpp.cxx": (None, wrapper), "compile_threads": 1}):
             yield
     finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -51,6 +51,15 @@ class CudaStepIO final : public StepIO {
       *status = Status(Error::MemoryAllocationFailed, cuda_error("cudaMallocHost", e));
       return nullptr;
     }
+    // Keep freed blocks in the stream-ordered pool: growth then reuses them
+    // instead of mapping fresh pages (the default threshold returns memory to
+    // the driver at every synchronisation).
+    int device = 0;
+    cudaMemPool_t pool = nullptr;
+    if (cudaGetDevice(&device) == cudaSuccess && cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+      uint64_t keep = UINT64_MAX;
+      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    }
     io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_);
     io->length_device_ = allocate_buffer(io->memory_, sizeof(int64_t));
     *status = Status::ok_status();
