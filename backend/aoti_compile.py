@@ -6,8 +6,7 @@ import os
 import shutil
 import stat
 import tempfile
-from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -28,18 +27,14 @@ def target_of(device: str) -> str:
     return f"cpu:{isa}"
 
 
-@contextmanager
-def _symbolic_linking() -> Iterator[None]:
-    """Link the wrapper .so with -Bsymbolic (CUDA only).
+def _symbolic_wrapper(workdir: str) -> str:
+    """A g++ that links shared objects with -Bsymbolic (CUDA only).
 
     On the H200 image libtorch exports std::regex instantiations built with
     another libstdc++; without -Bsymbolic they interpose on the wrapper's own and
-    loading the package recurses forever inside parse_device_str.
+    creating the model container recurses forever inside parse_device_str.
     """
-    workdir = tempfile.mkdtemp(prefix="offgraph_kv_cxx_")
-    from torch._inductor import config as inductor_config
-
-    real = shutil.which(inductor_config.cpp.cxx[1] or "g++") or shutil.which("g++") or "g++"
+    real = shutil.which("g++") or "g++"
     wrapper = os.path.join(workdir, "g++")
     with open(wrapper, "w") as f:
         f.write(
@@ -48,25 +43,42 @@ def _symbolic_linking() -> Iterator[None]:
             f'exec "{real}" "$@"\n'
         )
     os.chmod(wrapper, os.stat(wrapper).st_mode | stat.S_IEXEC)
-    # Inductor reads $CXX when its config is imported, and compile workers read
-    # it when they start; cached objects from an earlier, non-symbolic build
-    # must not be reused. So: the config, the environment, in-process compiles
-    # and a private cache directory, for the duration of this compile.
-    from torch._inductor import config as inductor_config
+    return wrapper
 
-    saved = {k: os.environ.get(k) for k in ("CXX", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ["CXX"] = wrapper
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(workdir, "cache")
-    try:
-        with inductor_config.patch({"cpp.cxx": (None, wrapper), "compile_threads": 1}):
-            yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(workdir, ignore_errors=True)
+
+_SUBPROCESS_COMPILE = """
+import sys, torch
+import executorch.exir.passes.dim_order_ops_registry  # ops edge dialect leaves in the graph
+ep = torch.export.load(sys.argv[1])
+args = torch.load(sys.argv[2])
+options = torch.load(sys.argv[3])
+with torch.no_grad():
+    path = torch._inductor.aot_compile(ep.module(), tuple(args), options=options)
+print(path if isinstance(path, str) else [p for p in path if p.endswith(".so")][0])
+"""
+
+
+def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[torch.Tensor], options: dict,
+                              workdir: str) -> str:
+    """CUDA: compile in a process whose inductor starts with the symbolic linker.
+
+    Inductor reads $CXX at import and keeps compiled objects in its cache, so
+    patching a running process is not enough; a fresh process with its own
+    cache directory is what loads on the H200.
+    """
+    import subprocess
+    import sys
+
+    ep_path, args_path, opt_path = (os.path.join(workdir, n) for n in ("program.pt2", "args.pt", "options.pt"))
+    torch.export.save(program, ep_path)
+    torch.save(list(example_args), args_path)
+    torch.save(options, opt_path)
+    env = dict(os.environ, CXX=_symbolic_wrapper(workdir), TORCHINDUCTOR_CACHE_DIR=os.path.join(workdir, "cache"))
+    done = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, ep_path, args_path, opt_path],
+                          env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"AOTInductor CUDA compile failed:\n{done.stderr[-4000:]}")
+    return done.stdout.strip().splitlines()[-1]
 
 
 def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch.Tensor], device: str) -> bytes:
@@ -81,10 +93,12 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         # or a one-row cache; the program is correct for them.
         "aot_inductor.check_lowerbound": False,
     }
-    guard = _symbolic_linking() if device == "cuda" else _nullcontext()
     try:
-        with guard, torch.no_grad():
-            path = torch._inductor.aot_compile(program.module(), tuple(example_args), options=options)
+        if device == "cuda":
+            path = _compile_in_fresh_process(program, example_args, options, outdir)
+        else:
+            with torch.no_grad():
+                path = torch._inductor.aot_compile(program.module(), tuple(example_args), options=options)
         if isinstance(path, (list, tuple)):
             path = next(p for p in path if p.endswith(".so"))
         with open(path, "rb") as f:
@@ -92,7 +106,3 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
     finally:
         shutil.rmtree(outdir, ignore_errors=True)
 
-
-@contextmanager
-def _nullcontext() -> Iterator[None]:
-    yield
