@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TOY, Session, lower, prompt, toy_model
-from model import Transformer
 
 from offgraph_kv.backend.cache_ops import LoweringError
 from offgraph_kv.partitioner import OffGraphKVPartitioner

@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from checkpoint import LoadedCheckpoint, dtype_name, load_hf, load_meta, parse_dtype  # noqa: E402
 from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic  # noqa: E402
+from report import format_bytes  # noqa: E402
 from tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, find_tokenizer_near, load_tokenizer  # noqa: E402
 
 SIDECAR_VERSION = 1
@@ -301,30 +302,22 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
     return summary
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def print_summary(s: Dict[str, object]) -> None:
     scan = s["pte_scan"]
     args = s["model_args"]
-    print(f"wrote {s['pte']} ({_fmt_bytes(s['file_bytes'])}) and its sidecar {s['pte']}.json")
+    print(f"wrote {s['pte']} ({format_bytes(s['file_bytes'])}) and its sidecar {s['pte']}.json")
     print(f"  model             {args['n_layers']} layers, dim {args['dim']}, {args['n_heads']} q / "
           f"{args['n_kv_heads']} kv heads, vocab {args['vocab_size']}, weights {s['weights_dtype']}")
-    print(f"  parameters        {s['parameters']:,} ({_fmt_bytes(s['weight_bytes'])})")
-    rings = f" + {_fmt_bytes(s['kv_ring_bytes'])} fixed for sliding-window layers" if s.get("kv_ring_bytes") else ""
-    print(f"  KV per token      {_fmt_bytes(s['kv_bytes_per_token'])}{rings} "
+    print(f"  parameters        {s['parameters']:,} ({format_bytes(s['weight_bytes'])})")
+    rings = f" + {format_bytes(s['kv_ring_bytes'])} fixed for sliding-window layers" if s.get("kv_ring_bytes") else ""
+    print(f"  KV per token      {format_bytes(s['kv_bytes_per_token'])}{rings} "
           f"({s['storage_dtype']} storage, allocated at run time)")
     print(f"  max write / step  {s['max_write']} tokens; initial capacity {s['initial_capacity']} rows, "
           f"max {s['max_capacity'] or 'compiled bound'}")
-    print(f"  file breakdown    compiled code + weights {_fmt_bytes(scan['named_data_bytes'])}, "
+    print(f"  file breakdown    compiled code + weights {format_bytes(scan['named_data_bytes'])}, "
           f"manifest {scan['manifest_bytes']} B, program constants {scan['constant_bytes']} B")
     if s.get("compiled_weight_bytes") is not None:
-        print(f"  compiled consts   {_fmt_bytes(s['compiled_weight_bytes'])} (weights + rope table; the backend checked: nothing else)")
+        print(f"  compiled consts   {format_bytes(s['compiled_weight_bytes'])} (weights + rope table; the backend checked: nothing else)")
     print(f"  kv bytes in file: {s['kv_bytes_in_file']}")
     times = ", ".join(f"{k} {v:.1f}s" for k, v in s["timings_s"].items())
     print(f"  time              {times}")

@@ -27,6 +27,7 @@ if str(_HERE) not in sys.path:
 import torch  # noqa: E402
 
 from model import ModelArgs, Transformer, init_deterministic, positions  # noqa: E402
+from report import format_bytes  # noqa: E402
 from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
 _STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -260,21 +261,13 @@ def generate(
     return g
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def memory_table(m: Dict[str, object]) -> str:
     lines = [
         "memory (offgraph-kv store)",
         f"  length      {m['length']} positions",
         f"  capacity    {m['capacity']} rows (initial {m['initial_capacity']}, max {m['max_capacity']}, "
         f"growth x{m['growth_factor']})",
-        f"  allocated   {_fmt_bytes(m['allocated_bytes'])} (peak {_fmt_bytes(m['peak_bytes'])})",
+        f"  allocated   {format_bytes(m['allocated_bytes'])} (peak {format_bytes(m['peak_bytes'])})",
         f"  growths     {m['growths']}",
         f"  storage     {m['storage_dtype']}",
         "  layer  kind  window      rows       bytes",
@@ -282,7 +275,7 @@ def memory_table(m: Dict[str, object]) -> str:
     for layer in m.get("layers", []):
         window = layer.get("window") or "-"
         lines.append(f"  {layer['layer']:>5}  {layer['kind']:<4}  {window!s:>6}  {layer['rows']:>8}  "
-                     f"{_fmt_bytes(layer['bytes']):>10}")
+                     f"{format_bytes(layer['bytes']):>10}")
     return "\n".join(lines)
 
 

@@ -125,7 +125,21 @@ class HFTokenizer(Tokenizer):
         return self._model.encode(text, add_special_tokens=False).ids
 
 
-class SentencePieceTokenizer(Tokenizer):
+class _PytorchTokenizersModel(Tokenizer):
+    """A ``tokenizer.model`` read by one of pytorch_tokenizers' classes."""
+
+    def __init__(self, path: Path, impl: object) -> None:
+        self.path = str(path)
+        self._impl = impl
+        self.vocab_size = impl.n_words
+        self.bos_id = impl.bos_id
+        self.eos_id = impl.eos_id
+
+    def encode(self, text: str, bos: bool = True) -> List[int]:
+        return self._impl.encode(text, bos=bos, eos=False)
+
+
+class SentencePieceTokenizer(_PytorchTokenizersModel):
     """SentencePiece ``tokenizer.model`` (Llama 2) through pytorch_tokenizers."""
 
     kind = "sentencepiece"
@@ -133,20 +147,13 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: Path) -> None:
         from pytorch_tokenizers import Llama2cTokenizer
 
-        self.path = str(path)
-        self._impl = Llama2cTokenizer(model_path=str(path))
-        self.vocab_size = self._impl.n_words
-        self.bos_id = self._impl.bos_id
-        self.eos_id = self._impl.eos_id
-
-    def encode(self, text: str, bos: bool = True) -> List[int]:
-        return self._impl.encode(text, bos=bos, eos=False)
+        super().__init__(path, Llama2cTokenizer(model_path=str(path)))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._impl.decode(list(ids))
 
 
-class TiktokenLlama3Tokenizer(Tokenizer):
+class TiktokenLlama3Tokenizer(_PytorchTokenizersModel):
     """Llama 3 tiktoken ``tokenizer.model`` through pytorch_tokenizers."""
 
     kind = "tiktoken"
@@ -154,14 +161,7 @@ class TiktokenLlama3Tokenizer(Tokenizer):
     def __init__(self, path: Path) -> None:
         from pytorch_tokenizers import TiktokenTokenizer
 
-        self.path = str(path)
-        self._impl = TiktokenTokenizer(model_path=str(path))
-        self.vocab_size = self._impl.n_words
-        self.bos_id = self._impl.bos_id
-        self.eos_id = self._impl.eos_id
-
-    def encode(self, text: str, bos: bool = True) -> List[int]:
-        return self._impl.encode(text, bos=bos, eos=False)
+        super().__init__(path, TiktokenTokenizer(model_path=str(path)))
 
     def decode(self, ids: Sequence[int]) -> str:
         specials = set(self._impl.special_tokens.values())
