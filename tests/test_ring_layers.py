@@ -13,16 +13,16 @@ ALL_RING = [LayerPolicy.ring(10)]  # equal to the prefill
 TOL = 1e-4
 
 
-def _ring_pte(pte_factory, layers):
-    return pte_factory(storage_dtype=torch.float32, initial_capacity=8, layers=tuple(layers), max_write=MAX_WRITE)
+def _ring_pte(pte_factory, layers, dtype=torch.float32):
+    return pte_factory(storage_dtype=dtype, initial_capacity=8, layers=tuple(layers), max_write=MAX_WRITE)
 
 
-def _prefill(session: Session, oracle: Oracle, tokens: torch.Tensor) -> torch.Tensor:
+def _prefill(session: Session, oracle: Oracle, tokens: torch.Tensor, tol: float = TOL) -> torch.Tensor:
     """Chunked prefill: rings absorb at most MAX_WRITE tokens a step."""
     for start in range(0, tokens.shape[1], MAX_WRITE):
         chunk = tokens[:, start:start + MAX_WRITE]
         got, want = session.step(chunk), oracle.step(chunk)
-        torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     return got
 
 
@@ -39,6 +39,19 @@ def test_generation_wrapping_each_ring_three_times_matches_oracle(pte_factory, m
         assert torch.equal(greedy(got), greedy(want))
         nxt = greedy(got)
     assert session.store.length > 3 * largest_ring
+
+
+def test_bf16_rings_wrap_with_identical_greedy_tokens(pte_factory, model):
+    session = Session(_ring_pte(pte_factory, MIXED, torch.bfloat16))
+    oracle = Oracle(model, torch.bfloat16, layers=MIXED)
+    got = _prefill(session, oracle, prompt(10), tol=3e-2)
+    nxt = greedy(got)
+    for _ in range(3 * 23 + 5):
+        got, want = session.step(nxt), oracle.step(nxt)
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+        assert torch.equal(greedy(got), greedy(want))
+        nxt = greedy(got)
+    assert session.store.metrics()["storage_dtype"] == "bf16"
 
 
 def test_chunk_straddling_the_wrap_point_matches_oracle(pte_factory, model):
