@@ -52,10 +52,12 @@ def _examples_and_dims(
             if isinstance(size, torch.SymInt):
                 expr = size.node.expr
                 if expr not in dims:
-                    rng = ep.range_constraints[expr]
-                    is_width = isinstance(width, torch.SymInt) and expr == width.node.expr
-                    name = "step" if is_width else f"d{len(dims)}"
-                    dims[expr] = Dim(name, min=max(int(rng.lower), 1), max=int(rng.upper))
+                    # Automatic dims: SDPA's meta functions emit stride guards (e.g.
+                    # T*min(32, 128*T) == 32*T) that hold for every size but that
+                    # export cannot prove over a named range. Bounds stay enforced:
+                    # ExecuTorch checks each input against its export bound, and the
+                    # runtime checks widths and capacity itself.
+                    dims[expr] = Dim.DYNAMIC
                 spec[d] = dims[expr]
                 hint = _EXAMPLE_WIDTH if isinstance(width, torch.SymInt) and expr == width.node.expr else None
                 sizes.append(hint or max(int(ep.range_constraints[expr].lower), 2))
@@ -67,7 +69,8 @@ def _examples_and_dims(
 
 
 def build_manifest(
-    sites: Sequence[CacheOpSite], specs: BackendSpecs, num_user_inputs: int, num_outputs: int, code_key: str, target: str
+    sites: Sequence[CacheOpSite], specs: BackendSpecs, num_user_inputs: int, num_outputs: int, code_key: str,
+    target: str, has_length_input: bool,
 ) -> Manifest:
     tensors = []
     for s in sites:
@@ -98,6 +101,8 @@ def build_manifest(
         growth_factor=specs.growth_factor,
         compiled_code_key=code_key,
         tensors=tensors,
+        # The committed length follows the K/V tensors among the compiled inputs.
+        length_input=num_user_inputs + len(tensors) if has_length_input else None,
     )
 
 
@@ -148,11 +153,9 @@ class OffGraphKVBackend(BackendDetails):
         bind_private_tensors(program)
         windows = [p.window if p.kind is LayerKind.RING else 0 for p in specs.layers]
         wrapper = PrivateTensorProgram(program, len(inputs), windows)
-        # On CUDA the SDPA kernels add alignment guards (e.g. min(16*S, 32*S) == 16*S)
-        # that hold for every S but that export cannot prove over a named range;
-        # an automatic dim keeps them as (always true) runtime checks. The runtime
-        # enforces the capacity bound itself.
-        rows = Dim.DYNAMIC if device == "cuda" else Dim("kv_rows", min=1, max=specs.capacity_bound)
+        # Automatic too, for the same reason (on CUDA: min(16*S, 32*S) == 16*S);
+        # the runtime keeps readable rows within max_capacity <= capacity_bound.
+        rows = Dim.DYNAMIC
         private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, device, windows, specs.max_write)
         # Flat storage binds a prefix of any length; rings are bound whole.
         dyn = dyn + [{1: rows} if windows[i // 2] == 0 else None for i in range(2 * len(sites))]
@@ -164,9 +167,8 @@ class OffGraphKVBackend(BackendDetails):
         so_bytes = compile_shared_object(compiled_ep, examples + private, device)
         code_key = "offgraph_kv_" + hashlib.sha256(so_bytes).hexdigest()[:32] + "_so"
 
-        manifest = build_manifest(sites, specs, len(inputs), num_outputs, code_key, target_of(device))
-        if wrapper.has_length_input:
-            manifest.length_input = len(inputs) + 2 * len(sites)
+        manifest = build_manifest(sites, specs, len(inputs), num_outputs, code_key, target_of(device),
+                                  wrapper.has_length_input)
         validate_manifest(manifest, compiled_ep)
         report = prove_storage_omission(compiled_ep, edge_program, manifest)
         log.info("offgraph-kv: %d weight bytes compiled in, %d KV bytes/token left to the runtime",

@@ -47,6 +47,25 @@ def attention_dtype(storage: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def grouped_query_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA for GQA without repeating K/V: fold each KV head's query group into
+    the query axis, so every KV row is read once per KV head, not once per query
+    head (and no kernel ever sees a repeated copy of the history).
+
+    q ``[1, H_q, T, D]``, keys/values ``[1, H_kv, S, D]``, mask ``[T, S]`` (bool).
+    """
+    b, hq, t, d = q.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    # Dense first: reshaping a strided view makes export reason about (and
+    # guard on) strides; the copy is T x H_q x D, nothing next to the history.
+    folded = q.contiguous().view(b, hkv, group * t, d)  # query head h = kv * group + g
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(group, 1), scale=scale)
+    return out.contiguous().view(b, hq, t, values.shape[-1])
+
+
 def write_and_attend_flat(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,10 +93,7 @@ def write_and_attend_flat(
     key_pos = torch.arange(s, device=q.device)
     query_pos = torch.arange(t, device=q.device) + (s - t)
     mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-    out = F.scaled_dot_product_attention(
-        q.to(compute), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.to(out_dtype)
+    return grouped_query_attention(q.to(compute), keys, values, mask, scale).to(out_dtype)
 
 
 def write_and_attend_ring(
@@ -117,10 +133,7 @@ def write_and_attend_ring(
     compute = attention_dtype(k_ring.dtype, q.device)
     keys = k_ring.transpose(1, 2).to(compute)
     values = v_ring.transpose(1, 2).to(compute)
-    out = F.scaled_dot_product_attention(
-        q.to(compute), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.to(out_dtype)
+    return grouped_query_attention(q.to(compute), keys, values, mask, scale).to(out_dtype)
 
 
 def _lowered_update_and_attend(q, k, v, position, layer_id, scale, out_dtype):  # noqa: ANN001
