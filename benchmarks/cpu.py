@@ -63,6 +63,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--decode-to", type=int, default=4096, help="decode steps per program (capped by its capacity)")
     p.add_argument("--window", type=int, default=50, help="steps per decode median")
     p.add_argument("--repeats", type=int, default=3, help="prefill repetitions (median)")
+    p.add_argument("--passes", type=int, default=2, help="decode passes per process (min of the per-pass medians)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="fresh-process timing rounds per program (memory from round 1; times: min over rounds)")
     p.add_argument("--max-write", type=int, default=512, help="widest step of the exports (prefill chunk)")
     p.add_argument("--threads", type=int, default=1,
                    help="compute threads of every program (OpenMP and XNNPACK); 1 keeps medians stable when "
@@ -79,6 +82,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if a.quick:
         a.stock_capacities = [c for c in a.stock_capacities if c <= 8192]
         a.decode_to = min(a.decode_to, 2100)
+        a.rounds = 1
     if a.offgraph_capacities is None:
         a.offgraph_capacities = sorted(set(a.capacities) | ({32768} if 32768 in a.stock_capacities else set()))
     return a
@@ -139,32 +143,62 @@ def build_all(jobs: List[tuple], workdir: Path, a: argparse.Namespace) -> tuple:
     return builds, failed
 
 
+def _merge_round(first: dict, later: dict) -> None:
+    """Fold a later timing round into the first: memory stays the first round's, times take the minimum."""
+    first.setdefault("decode_ms_per_round", [dict(first["decode_ms"])])
+    first["decode_ms_per_round"].append(dict(later["decode_ms"]))
+    for c, v in later["decode_ms"].items():
+        if v is not None and (first["decode_ms"].get(c) is None or v < first["decode_ms"][c]):
+            first["decode_ms"][c] = v
+    first["step_ms"] = [min(x, y) for x, y in zip(first["step_ms"], later["step_ms"])]
+    busy = [b for b in (first.get("decode_others_busy"), later.get("decode_others_busy")) if b is not None]
+    first["decode_others_busy"] = max(busy) if busy else None
+    if first.get("prefill") and later.get("prefill"):
+        pf = first["prefill"]
+        pf.setdefault("tokens_per_s_per_round", [pf["tokens_per_s"]])
+        pf["tokens_per_s_per_round"].append(later["prefill"]["tokens_per_s"])
+        pf["tokens_per_s"] = max(pf["tokens_per_s_per_round"])
+    if first.get("growth") and later.get("growth"):
+        first["growth"].setdefault("growth_time_share_per_round", [first["growth"]["growth_time_share"]])
+        first["growth"]["growth_time_share_per_round"].append(later["growth"]["growth_time_share"])
+
+
 def measure_all(order: List[str], builds: Dict[str, dict], workdir: Path, a: argparse.Namespace) -> tuple:
+    """Round 1 measures everything; later rounds (fresh processes, reversed order) only add timing samples."""
     runs: Dict[str, dict] = {}
     failed: Dict[str, str] = {}
     env = _env(workdir, a.threads)
     todo = [k for k in order if k in builds]
-    with tqdm(todo, desc="measure", unit="program", file=sys.stderr) as bar:
-        for key in bar:
+    plan = [(r, k) for r in range(a.rounds) for k in (todo if r % 2 == 0 else todo[::-1])]
+    with tqdm(plan, desc="measure", unit="run", file=sys.stderr) as bar:
+        for rnd, key in bar:
+            if rnd and key not in runs:
+                continue
             b = builds[key]
-            bar.set_postfix_str(key)
-            out = workdir / f"measure_{key.replace('@', '_')}.json"
-            log = workdir / f"measure_{key.replace('@', '_')}.log"
+            bar.set_postfix_str(f"round {rnd + 1} {key}")
+            out = workdir / f"measure_{key.replace('@', '_')}_r{rnd + 1}.json"
+            log = workdir / f"measure_{key.replace('@', '_')}_r{rnd + 1}.log"
             cmd = [sys.executable, "-m", "benchmarks.measure", "--kind", b["kind"], "--artifact", b["path"],
                    "--capacity", str(b["capacity"]), "--max-write", str(a.max_write), "--decode-to", str(a.decode_to),
-                   "--window", str(a.window), "--repeats", str(a.repeats), "--threads", str(a.threads),
-                   "--out", str(out)]
+                   "--window", str(a.window), "--repeats", str(a.repeats), "--passes", str(a.passes),
+                   "--threads", str(a.threads), "--out", str(out)]
             t0 = time.perf_counter()
             rc = _run(cmd, log, env)
             if rc != 0 or not out.is_file():
-                failed[key] = f"measure failed (rc {rc}):\n{_tail(log)}"
-                tqdm.write(f"  {key}: measure failed (rc {rc})", file=sys.stderr)
+                if rnd == 0:
+                    failed[key] = f"measure failed (rc {rc}):\n{_tail(log)}"
+                tqdm.write(f"  {key}: measure failed in round {rnd + 1} (rc {rc})", file=sys.stderr)
                 continue
-            runs[key] = json.loads(out.read_text())
-            runs[key]["measure_s"] = round(time.perf_counter() - t0, 1)
-            r = runs[key]
-            tqdm.write(f"  {key}: load +{r['rss_load_mib']:.1f} MiB, decode@200 "
-                       f"{report._fmt(report.decode_ms(r, 200), '.3f')} ms, others busy "
+            r = json.loads(out.read_text())
+            if rnd == 0:
+                runs[key] = r
+                r["measure_s"] = round(time.perf_counter() - t0, 1)
+            else:
+                _merge_round(runs[key], r)
+                runs[key]["measure_s"] += round(time.perf_counter() - t0, 1)
+            tqdm.write(f"  round {rnd + 1} {key}: load +{r['rss_load_mib']:.1f} MiB, decode@200 "
+                       f"{report._fmt(report.decode_ms(r, 200), '.3f')} ms @2000 "
+                       f"{report._fmt(report.decode_ms(r, 2000), '.3f')} ms, others busy "
                        f"{100 * (r['decode_others_busy'] or 0):.0f}%", file=sys.stderr)
     return runs, failed
 
@@ -186,8 +220,20 @@ def check_same_model(runs: Dict[str, dict]) -> Dict[str, dict]:
     return out
 
 
+def source_state() -> Dict[str, object]:
+    """The commit and the uncommitted changes of the code under test (others may edit it during a run)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    paths = ["backend", "partitioner", "runtime", "schemas", "examples/llama/model.py"]
+    return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--", *paths).splitlines()}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     a = parse_args(argv)
+    src_before = source_state()
     wall0 = time.perf_counter()
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -213,13 +259,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     caps = sorted(set(a.capacities) | set(a.stock_capacities) | set(a.offgraph_capacities))
     order = [report.name(k, c) for c in caps for k in ("stock", "static-mask", "static-prefix", "offgraph")]
     runs, measure_failed = measure_all(order, builds, workdir, a)
+    not_done = {**build_failed, **measure_failed}
 
+    src_after = source_state()
+    if src_after != src_before:
+        not_done["source"] = (f"the code under test changed during the run (commit {src_before['commit'][:10]} -> "
+                              f"{src_after['commit'][:10]}, dirty {src_before['dirty']} -> {src_after['dirty']}): "
+                              "programs may come from different versions; run again")
     ts = report.targets(runs, builds, bpt, a.decode_tolerance, a.rss_tolerance_mib)
     rts = report.ratios(runs)
     same = check_same_model(runs)
     wall = time.perf_counter() - wall0
 
-    not_done = {**build_failed, **measure_failed}
     contention = {k: r.get("decode_others_busy") for k, r in runs.items()}
     subtitle = (f"{info['cpu_model']}, {info['cores']} cores, {a.threads} thread(s) per program, "
                 f"{started[:10]}")
@@ -236,6 +287,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "benchmark": "offgraph-kv CPU", "date": started, "wall_s": round(wall, 1),
         "command": "python -m benchmarks.cpu " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": info,
+        "source": {"before": src_before, "after": src_after},
         "settings": {k: v for k, v in vars(a).items() if k not in ("workdir", "out_dir")},
         "model": {**args.to_dict(), "weights_dtype": "fp32", "kv_storage_dtype": "fp32",
                   "kv_bytes_per_token": bpt, "seed": artifacts.SEED},
@@ -258,7 +310,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             "memory": "RSS is VmRSS of a fresh process, relative to just before load (all kinds import the same "
                       "modules first). All programs allocate scratch on the first step (visible as a jump in the "
                       "first RSS sample). 'KV alloc' is the offgraph store's allocated_bytes.",
-            "timing": "decode ms/token at context c = median of the steps at positions [c, c + window); every step "
+            "timing": "decode ms/token at context c = median of the steps at positions [c, c + window), the smallest over "
+                      "`passes` decode passes from an empty cache in each of `rounds` fresh processes (noise on a shared VM "
+                      "only adds time, in bursts that can cover a whole window or a whole process); every step "
                       "is a 1-token call with a fixed pseudo-random token sequence (same inputs for all programs). "
                       "Prefill: 512-token prompt from an empty cache, median of `repeats`; offgraph resets its "
                       "store with memory released first, so prefill includes its growths.",
