@@ -121,7 +121,3 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def prompt(n: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, TOY.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def widths_total(widths: List[int]) -> int:
-    return sum(widths)

@@ -15,18 +15,9 @@ Status time_growth(const std::string& device, size_t layers, size_t heads, size_
   Status s;
   std::unique_ptr<StepIO> io = device == "cuda" ? cuda_step_io(&s) : host_step_io();
   if (!io) return s;
-  std::vector<TensorSpec> tensors;
-  for (uint32_t l = 0; l < layers; ++l)
-    for (int r = 0; r < 2; ++r) {
-      TensorSpec t;
-      t.layer = l;
-      t.role = r == 0 ? TensorRole::Key : TensorRole::Value;
-      t.num_heads = uint32_t(heads);
-      t.head_dim = uint32_t(head_dim);
-      t.dtype = static_cast<StorageDType>(dtype);
-      out->bytes_copied += rows_before * t.row_bytes();
-      tensors.push_back(t);
-    }
+  const std::vector<TensorSpec> tensors =
+      flat_layer_specs(layers, uint32_t(heads), uint32_t(head_dim), static_cast<StorageDType>(dtype), 0);
+  for (const TensorSpec& t : tensors) out->bytes_copied += rows_before * t.row_bytes();
   GrowthPolicy policy;
   policy.initial_capacity = rows_before;
   policy.max_capacity = rows_after;

@@ -5,6 +5,23 @@
 
 namespace offgraph_kv {
 
+std::vector<TensorSpec> flat_layer_specs(size_t layers, uint32_t heads, uint32_t head_dim, StorageDType dtype,
+                                         uint32_t first_input) {
+  std::vector<TensorSpec> out;
+  for (uint32_t l = 0; l < layers; ++l)
+    for (uint32_t r = 0; r < 2; ++r) {
+      TensorSpec t;
+      t.layer = l;
+      t.role = r == 0 ? TensorRole::Key : TensorRole::Value;
+      t.num_heads = heads;
+      t.head_dim = head_dim;
+      t.dtype = dtype;
+      t.compiled_input = first_input + 2 * l + r;
+      out.push_back(t);
+    }
+  return out;
+}
+
 KVStore::KVStore(std::vector<TensorSpec> tensors, GrowthPolicy policy, size_t max_write,
                  std::shared_ptr<DeviceMemory> memory)
     : tensors_(std::move(tensors)),

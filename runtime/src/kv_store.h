@@ -37,6 +37,10 @@ struct TensorSpec {
   size_t row_bytes() const { return size_t(num_heads) * head_dim * element_size(dtype); }
 };
 
+// K and V specs of `layers` flat layers, bound from compiled input `first_input` on.
+std::vector<TensorSpec> flat_layer_specs(size_t layers, uint32_t heads, uint32_t head_dim, StorageDType dtype,
+                                         uint32_t first_input);
+
 // What the compiled code sees for one private tensor: [1, rows, H, D], dense.
 struct Binding {
   void* data = nullptr;

@@ -53,19 +53,7 @@ class FailingMemory final : public DeviceMemory {
 };
 
 std::vector<TensorSpec> flat_layers(size_t layers, StorageDType dtype, uint32_t heads = 2, uint32_t head_dim = 4) {
-  std::vector<TensorSpec> out;
-  for (uint32_t l = 0; l < layers; ++l)
-    for (int r = 0; r < 2; ++r) {
-      TensorSpec t;
-      t.layer = l;
-      t.role = r == 0 ? TensorRole::Key : TensorRole::Value;
-      t.num_heads = heads;
-      t.head_dim = head_dim;
-      t.dtype = dtype;
-      t.compiled_input = 2 + 2 * l + r;
-      out.push_back(t);
-    }
-  return out;
+  return flat_layer_specs(layers, heads, head_dim, dtype, 2);
 }
 
 GrowthPolicy policy(size_t initial, size_t max, double factor = 2.0) {
