@@ -66,6 +66,17 @@ def grouped_query_attention(
     return out.contiguous().view(b, hq, t, values.shape[-1])
 
 
+def attend_over_storage(
+    q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, mask: torch.Tensor, scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Attention of a step's queries over sequence-major storage ``[1, S, H_kv, D]``."""
+    compute = attention_dtype(k_store.dtype, q.device)
+    keys = k_store.transpose(1, 2).to(compute)
+    values = v_store.transpose(1, 2).to(compute)
+    return grouped_query_attention(q.to(compute), keys, values, mask, scale).to(out_dtype)
+
+
 def write_and_attend_flat(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,14 +97,11 @@ def write_and_attend_flat(
     # Write: cast to storage dtype on write, as the oracle does.
     k_store.narrow(1, s - t, t).copy_(k.transpose(1, 2))
     v_store.narrow(1, s - t, t).copy_(v.transpose(1, 2))
-    compute = attention_dtype(k_store.dtype, q.device)
-    keys = k_store.transpose(1, 2).to(compute)
-    values = v_store.transpose(1, 2).to(compute)
     # Lower-right causal: query i sees keys up to s - t + i.
     key_pos = torch.arange(s, device=q.device)
     query_pos = torch.arange(t, device=q.device) + (s - t)
     mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-    return grouped_query_attention(q.to(compute), keys, values, mask, scale).to(out_dtype)
+    return attend_over_storage(q, k_store, v_store, mask, scale, out_dtype)
 
 
 def write_and_attend_ring(
@@ -130,10 +138,7 @@ def write_and_attend_ring(
     qp = query_pos.unsqueeze(1)
     kp = slot_pos.unsqueeze(0)
     mask = (kp >= 0) & (kp <= qp) & (kp > qp - window)
-    compute = attention_dtype(k_ring.dtype, q.device)
-    keys = k_ring.transpose(1, 2).to(compute)
-    values = v_ring.transpose(1, 2).to(compute)
-    return grouped_query_attention(q.to(compute), keys, values, mask, scale).to(out_dtype)
+    return attend_over_storage(q, k_ring, v_ring, mask, scale, out_dtype)
 
 
 def _lowered_update_and_attend(q, k, v, position, layer_id, scale, out_dtype):  # noqa: ANN001

@@ -35,10 +35,9 @@ def prove_storage_omission(
     The compiled program's constants must be exactly the source program's
     weights: anything more would be storage that lowering baked in.
     """
-    inputs = [s for s in compiled.graph_signature.input_specs]
-    user_positions = [i for i, s in enumerate(inputs) if s.kind.name == "USER_INPUT"]
+    num_user_inputs = sum(s.kind.name == "USER_INPUT" for s in compiled.graph_signature.input_specs)
     for t in manifest.tensors:
-        if t.compiled_input >= len(user_positions):
+        if t.compiled_input >= num_user_inputs:
             raise AssertionError(
                 f"layer {t.layer} {t.role}: compiled input {t.compiled_input} is not a run-time input of the compiled program"
             )

@@ -93,6 +93,15 @@ class Session:
         return out
 
 
+def load_configured(pte_path: Path, **policy: object) -> Session:
+    """Load with a load-time policy (backend options), restoring the defaults after."""
+    offgraph_kv.runtime.configure(**policy)
+    try:
+        return Session(pte_path)
+    finally:
+        offgraph_kv.runtime.configure()
+
+
 @pytest.fixture(scope="session")
 def model() -> Transformer:
     return toy_model()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TOY, Oracle, Session, greedy, prompt
+from conftest import TOY, Oracle, Session, greedy, load_configured, prompt
 from executorch.extension.llm.cache.reference_cache import LayerPolicy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -60,14 +60,8 @@ def test_cuda_ring_wrap_matches_oracle(pte_factory, model):
 
 
 def test_cuda_rejected_step_changes_nothing(pte_factory, capfd):
-    import offgraph_kv.runtime as rt
-
     path = pte_factory(device="cuda", storage_dtype=torch.bfloat16, initial_capacity=8)
-    rt.configure(max_capacity=16)
-    try:
-        session = Session(path)
-    finally:
-        rt.configure()
+    session = load_configured(path, max_capacity=16)
     session.step(prompt(12))
     with pytest.raises(RuntimeError):
         session.method.execute([prompt(5), torch.arange(12, 17).unsqueeze(-1)])

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TOY, Oracle, Session, greedy, prompt
+from conftest import TOY, Oracle, Session, greedy, load_configured, prompt
 
-import offgraph_kv.runtime as rt
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 INITIAL = 8
@@ -63,11 +62,7 @@ def test_metrics_follow_the_growth_rule_exactly(pte_factory):
 
 def test_configured_growth_factor_and_capacities_apply_at_load(pte_factory):
     path = pte_factory(storage_dtype=torch.float32, initial_capacity=INITIAL)
-    rt.configure(initial_capacity=4, max_capacity=40, growth_factor=1.5)
-    try:
-        session = Session(path)
-    finally:
-        rt.configure()
+    session = load_configured(path, initial_capacity=4, max_capacity=40, growth_factor=1.5)
     m = session.store.metrics()
     assert (m["capacity"], m["max_capacity"], m["growth_factor"]) == (4, 40, 1.5)
     caps = []
@@ -82,12 +77,8 @@ def test_configured_growth_factor_and_capacities_apply_at_load(pte_factory):
 
 def test_max_capacity_above_compiled_bound_is_rejected_at_load(pte_factory, capfd):
     path = pte_factory(storage_dtype=torch.float32, initial_capacity=INITIAL)
-    rt.configure(max_capacity=(1 << 20) + 1)
-    try:
-        with pytest.raises(RuntimeError):
-            Session(path)
-    finally:
-        rt.configure()
+    with pytest.raises(RuntimeError):
+        load_configured(path, max_capacity=(1 << 20) + 1)
     assert "exceeds what the compiled code supports" in capfd.readouterr().err
 
 
@@ -109,11 +100,7 @@ def test_failed_run_leaves_length_and_history_unchanged(pte_factory, model, capf
 
 def test_rejected_steps_name_the_problem_and_change_nothing(pte_factory, capfd):
     path = pte_factory(storage_dtype=torch.float32, initial_capacity=INITIAL)
-    rt.configure(max_capacity=12)
-    try:
-        session = Session(path)
-    finally:
-        rt.configure()
+    session = load_configured(path, max_capacity=12)
     session.step(prompt(10))
     before = session.store.metrics()
     with pytest.raises(RuntimeError):

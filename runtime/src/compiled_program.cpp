@@ -101,12 +101,12 @@ CompiledProgram::~CompiledProgram() {
   // The library stays mapped: its thread-local state may outlive the container.
 }
 
-Status CompiledProgram::run_raw(const std::vector<TensorDesc>& inputs, void* stream,
-                                std::vector<AtenTensorHandle>* outputs) {
+Status CompiledProgram::run_raw(const std::vector<TensorDesc>& inputs, void* stream) {
   if (inputs.size() != num_inputs_)
     return Status(Error::InvalidArgument, "compiled code takes " + std::to_string(num_inputs_) + " inputs, got " +
                                               std::to_string(inputs.size()));
-  std::vector<AtenTensorHandle> handles(inputs.size(), nullptr);
+  std::vector<AtenTensorHandle>& handles = input_handles_;
+  handles.assign(inputs.size(), nullptr);
   for (size_t i = 0; i < inputs.size(); ++i) {
     const TensorDesc& d = inputs[i];
     if (from_blob_(d.data, int64_t(d.sizes.size()), d.sizes.data(), d.strides.data(), 0, d.dtype, device_type_, 0,
@@ -115,6 +115,7 @@ Status CompiledProgram::run_raw(const std::vector<TensorDesc>& inputs, void* str
       return Status(Error::Internal, "cannot describe compiled input " + std::to_string(i));
     }
   }
+  std::vector<AtenTensorHandle>* outputs = &output_handles_;
   outputs->assign(num_outputs_, nullptr);
   // A successful run takes ownership of the input handles (they only borrow our
   // memory). On failure their ownership is unknowable from outside, so they are

@@ -10,11 +10,21 @@
 
 #include "aoti_abi.h"
 #include "status.h"
+#include "storage_dtype.h"
 
 namespace offgraph_kv {
 
 // AOTI dtype codes (c10::ScalarType numbering, which ExecuTorch shares).
 enum class AotiDType : int32_t { Int32 = 3, Int64 = 4, Float16 = 5, Float32 = 6, Bool = 11, BFloat16 = 15 };
+
+inline int32_t aoti_dtype(StorageDType d) {
+  switch (d) {
+    case StorageDType::Float32: return int32_t(AotiDType::Float32);
+    case StorageDType::Float16: return int32_t(AotiDType::Float16);
+    case StorageDType::BFloat16: return int32_t(AotiDType::BFloat16);
+  }
+  return int32_t(AotiDType::Float32);
+}
 
 struct TensorDesc {
   void* data = nullptr;
@@ -50,10 +60,12 @@ class CompiledProgram {
 
  private:
   CompiledProgram() = default;
-  Status run_raw(const std::vector<TensorDesc>& inputs, void* stream, std::vector<AtenTensorHandle>* outputs);
+  Status run_raw(const std::vector<TensorDesc>& inputs, void* stream);
   Status describe(AtenTensorHandle h, OutputView* out) const;
   void release(AtenTensorHandle h) const;
 
+  std::vector<AtenTensorHandle> input_handles_;   // scratch reused every run
+  std::vector<AtenTensorHandle> output_handles_;
   void* library_ = nullptr;
   AOTInductorModelContainerHandle container_ = nullptr;
   size_t num_inputs_ = 0;
@@ -72,9 +84,9 @@ class CompiledProgram {
 
 template <typename Sink, typename Settle>
 Status CompiledProgram::run(const std::vector<TensorDesc>& inputs, void* stream, Sink&& sink, Settle&& settle) {
-  std::vector<AtenTensorHandle> outputs;
-  Status s = run_raw(inputs, stream, &outputs);
+  Status s = run_raw(inputs, stream);
   if (!s.ok()) return s;
+  const std::vector<AtenTensorHandle>& outputs = output_handles_;
   for (size_t i = 0; i < outputs.size() && s.ok(); ++i) {
     OutputView view;
     s = describe(outputs[i], &view);

@@ -89,10 +89,7 @@ class CudaStepIO final : public StepIO {
       const cudaError_t e = cudaMemcpyAsync(buf.data(), t.const_data_ptr(), bytes, cudaMemcpyHostToDevice, stream_);
       if (e != cudaSuccess) return Status(Error::Internal, cuda_error("input copy", e));
     }
-    d->data = buf.data();
-    d->dtype = static_cast<int32_t>(t.scalar_type());
-    d->sizes.assign(t.sizes().begin(), t.sizes().end());
-    d->strides.assign(t.strides().begin(), t.strides().end());
+    describe_tensor(t, buf.data(), d);
     return Status::ok_status();
   }
 
@@ -102,10 +99,7 @@ class CudaStepIO final : public StepIO {
     const cudaError_t e =
         cudaMemcpyAsync(length_device_.data(), length_host_, sizeof(int64_t), cudaMemcpyHostToDevice, stream_);
     if (e != cudaSuccess) return Status(Error::Internal, cuda_error("length upload", e));
-    d->data = length_device_.data();
-    d->dtype = int32_t(AotiDType::Int64);
-    d->sizes = {1};
-    d->strides = {1};
+    describe_length(length_device_.data(), d);
     return Status::ok_status();
   }
 

@@ -151,6 +151,14 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
   state->store = std::move(store);
   register_store(state->store);
   state->inputs.resize(expected_inputs);
+  // Dtype, heads and head dim of every private tensor never change: describe
+  // them once; a step only rebinds the pointer and the row count.
+  for (const TensorSpec& t : state->store->tensors()) {
+    TensorDesc& d = state->inputs[t.compiled_input];
+    d.dtype = aoti_dtype(t.dtype);
+    d.sizes = {1, 0, int64_t(t.num_heads), int64_t(t.head_dim)};
+    d.strides = {0, int64_t(t.num_heads) * t.head_dim, int64_t(t.head_dim), 1};
+  }
   return state.release();
 }
 
@@ -189,16 +197,11 @@ Error OffGraphKVDelegate::execute(BackendExecutionContext&, DelegateHandle* hand
   }
   const auto& tensors = store.tensors();
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const TensorSpec& t = tensors[i];
     const Binding b = store.binding(i);
-    TensorDesc& d = state->inputs[t.compiled_input];
-    const int64_t h = t.num_heads, hd = t.head_dim;
+    TensorDesc& d = state->inputs[tensors[i].compiled_input];
     d.data = b.data;
-    d.dtype = t.dtype == StorageDType::Float32   ? int32_t(AotiDType::Float32)
-              : t.dtype == StorageDType::Float16 ? int32_t(AotiDType::Float16)
-                                                 : int32_t(AotiDType::BFloat16);
-    d.sizes = {1, b.rows, h, hd};
-    d.strides = {b.rows * h * hd, h * hd, hd, 1};
+    d.sizes[1] = b.rows;
+    d.strides[0] = b.rows * d.strides[1];
   }
   if (m.has_length_input && !(s = io.stage_length(int64_t(store.length()), &state->inputs[m.length_input])).ok())
     return fail(s, "execute");

@@ -8,18 +8,12 @@ namespace {
 class HostStepIO final : public StepIO {
  public:
   Status stage_input(size_t, const executorch::aten::Tensor& t, TensorDesc* d) override {
-    d->data = t.mutable_data_ptr();
-    d->dtype = static_cast<int32_t>(t.scalar_type());
-    d->sizes.assign(t.sizes().begin(), t.sizes().end());
-    d->strides.assign(t.strides().begin(), t.strides().end());
+    describe_tensor(t, t.mutable_data_ptr(), d);
     return Status::ok_status();
   }
   Status stage_length(int64_t length, TensorDesc* d) override {
     length_ = length;
-    d->data = &length_;
-    d->dtype = int32_t(AotiDType::Int64);
-    d->sizes = {1};
-    d->strides = {1};
+    describe_length(&length_, d);
     return Status::ok_status();
   }
   Status fetch_output(const OutputView& out, void* host, size_t bytes) override {

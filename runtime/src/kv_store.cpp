@@ -27,6 +27,10 @@ KVStore::KVStore(std::vector<TensorSpec> tensors, GrowthPolicy policy, size_t ma
     : tensors_(std::move(tensors)),
       policy_(policy),
       max_write_(max_write),
+      has_flat_(std::any_of(tensors_.begin(), tensors_.end(),
+                            [](const TensorSpec& t) { return t.kind == LayerKind::Flat; })),
+      has_ring_(std::any_of(tensors_.begin(), tensors_.end(),
+                            [](const TensorSpec& t) { return t.kind == LayerKind::Ring; })),
       memory_(std::move(memory)) {}
 
 std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, GrowthPolicy policy,
@@ -64,16 +68,6 @@ std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, Growth
   store->growths_ = 0;
   *status = Status::ok_status();
   return store;
-}
-
-bool KVStore::has_flat() const {
-  return std::any_of(tensors_.begin(), tensors_.end(),
-                     [](const TensorSpec& t) { return t.kind == LayerKind::Flat; });
-}
-
-bool KVStore::has_ring() const {
-  return std::any_of(tensors_.begin(), tensors_.end(),
-                     [](const TensorSpec& t) { return t.kind == LayerKind::Ring; });
 }
 
 size_t KVStore::rows_of(size_t i, size_t flat_capacity) const {
@@ -126,7 +120,7 @@ Status KVStore::resize_flat(size_t new_capacity, size_t rows_to_keep) {
 Status KVStore::prepare_step(size_t width) {
   if (pending_ != 0) abort_step();
   if (width == 0) return Status(Error::InvalidArgument, "step width is 0: a step must carry at least one token");
-  if (has_ring() && width > max_write_) {
+  if (has_ring_ && width > max_write_) {
     return Status(Error::InvalidArgument,
                   "step width " + std::to_string(width) + " exceeds max_write " +
                       std::to_string(max_write_) +
@@ -140,7 +134,7 @@ Status KVStore::prepare_step(size_t width) {
                       std::to_string(policy_.max_capacity) + " (" +
                       std::to_string(policy_.max_capacity - length_) + " remaining)");
   }
-  if (has_flat() && needed > capacity_) {
+  if (has_flat_ && needed > capacity_) {
     const size_t grown = next_capacity(policy_, capacity_, needed);
     Status s = resize_flat(grown, length_);
     if (!s.ok()) return s;

@@ -106,13 +106,13 @@ class KVStore {
   // committed rows, or nothing changes.
   Status resize_flat(size_t new_capacity, size_t rows_to_keep);
   void note_allocated(size_t bytes);
-  bool has_flat() const;
-  bool has_ring() const;
 
   std::vector<TensorSpec> tensors_;
   std::vector<Buffer> buffers_;
   GrowthPolicy policy_;
   size_t max_write_;
+  bool has_flat_;  // fixed by the manifest: derived once, not per step
+  bool has_ring_;
   std::shared_ptr<DeviceMemory> memory_;
   size_t length_ = 0;
   size_t capacity_ = 0;  // rows of every flat tensor

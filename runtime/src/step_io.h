@@ -31,6 +31,22 @@ class StepIO {
   virtual std::shared_ptr<DeviceMemory> memory() = 0;
 };
 
+// Describe `t`'s shape and dtype over `data` (the method's memory or a staged copy).
+inline void describe_tensor(const executorch::aten::Tensor& t, void* data, TensorDesc* d) {
+  d->data = data;
+  d->dtype = static_cast<int32_t>(t.scalar_type());
+  d->sizes.assign(t.sizes().begin(), t.sizes().end());
+  d->strides.assign(t.strides().begin(), t.strides().end());
+}
+
+// Describe the int64 [1] committed length at `data`.
+inline void describe_length(void* data, TensorDesc* d) {
+  d->data = data;
+  d->dtype = int32_t(AotiDType::Int64);
+  d->sizes = {1};
+  d->strides = {1};
+}
+
 std::unique_ptr<StepIO> host_step_io();
 // nullptr with a message when this build or machine has no CUDA.
 std::unique_ptr<StepIO> cuda_step_io(Status* status);
