@@ -13,7 +13,9 @@ import torch  # noqa: F401
 
 from offgraph_kv.runtime._runtime import Store, get_options, set_options, stores  # noqa: F401
 
-__all__ = ["Store", "configure", "stores", "options"]
+from offgraph_kv.runtime.host_module import HostMethod, pybindings_match_torch  # noqa: E402
+
+__all__ = ["Store", "HostMethod", "configure", "stores", "options", "pybindings_match_torch"]
 
 
 def configure(

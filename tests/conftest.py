@@ -77,12 +77,20 @@ class Oracle:
         self.length = 0
 
 
+# executorch.runtime exchanges tensors through torch 2.13's C++ ABI; under
+# another torch (the H200 image) load through the C++ Module instead.
+USE_HOST_RUNNER = os.environ.get("OFFGRAPH_KV_HOST_RUNNER") == "1" or not offgraph_kv.runtime.pybindings_match_torch()
+
+
 class Session:
     """A loaded method plus the length the caller believes it holds."""
 
     def __init__(self, pte_path: Path) -> None:
-        self.program = Runtime.get().load_program(str(pte_path))
-        self.method = self.program.load_method("forward")
+        if USE_HOST_RUNNER:
+            self.method = offgraph_kv.runtime.HostMethod(pte_path)
+        else:
+            self.program = Runtime.get().load_program(str(pte_path))
+            self.method = self.program.load_method("forward")
         self.store = offgraph_kv.runtime.stores()[-1]
         self.length = 0
 

@@ -19,7 +19,7 @@ std::string cuda_error(const char* what, cudaError_t e) {
 
 class CudaStreamMemory final : public DeviceMemory {
  public:
-  explicit CudaStreamMemory(cudaStream_t stream) : stream_(stream) {}
+  CudaStreamMemory(cudaStream_t stream, bool batched) : stream_(stream), batched_(batched) {}
   void* allocate(size_t bytes) override {
     void* p = nullptr;
     return cudaMallocAsync(&p, bytes, stream_) == cudaSuccess ? p : nullptr;
@@ -28,17 +28,45 @@ class CudaStreamMemory final : public DeviceMemory {
   void copy(void* dst, const void* src, size_t bytes) override {
     cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
   }
+  // A growth copies every flat tensor's prefix: submitted as one batch, the
+  // driver schedules them together instead of one launch per tensor.
+  void copy_many(const std::vector<CopyOp>& copies) override {
+#if CUDART_VERSION >= 13000
+    if (batched_ && copies.size() > 1) {
+      dsts_.clear();
+      srcs_.clear();
+      sizes_.clear();
+      for (const CopyOp& c : copies) {
+        dsts_.push_back(c.dst);
+        srcs_.push_back(c.src);
+        sizes_.push_back(c.bytes);
+      }
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      size_t attr_index = 0;
+      if (cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), copies.size(), &attr, &attr_index, 1,
+                               stream_) == cudaSuccess)
+        return;
+      cudaGetLastError();  // not supported here: clear it and copy one by one
+    }
+#endif
+    DeviceMemory::copy_many(copies);
+  }
   void zero(void* dst, size_t bytes) override { cudaMemsetAsync(dst, 0, bytes, stream_); }
   void synchronize() override { cudaStreamSynchronize(stream_); }
   const char* name() const override { return "cuda"; }
 
  private:
   cudaStream_t stream_;
+  bool batched_;
+  std::vector<void*> dsts_;
+  std::vector<const void*> srcs_;
+  std::vector<size_t> sizes_;
 };
 
 class CudaStepIO final : public StepIO {
  public:
-  static std::unique_ptr<CudaStepIO> create(Status* status) {
+  static std::unique_ptr<CudaStepIO> create(bool batched_copies, Status* status) {
     std::unique_ptr<CudaStepIO> io(new CudaStepIO());
     cudaError_t e = cudaStreamCreateWithFlags(&io->stream_, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
@@ -60,7 +88,7 @@ class CudaStepIO final : public StepIO {
       uint64_t keep = UINT64_MAX;
       cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
     }
-    io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_);
+    io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_, batched_copies);
     io->length_device_ = allocate_buffer(io->memory_, sizeof(int64_t));
     *status = Status::ok_status();
     return io;
@@ -127,6 +155,8 @@ class CudaStepIO final : public StepIO {
 
 }  // namespace
 
-std::unique_ptr<StepIO> cuda_step_io(Status* status) { return CudaStepIO::create(status); }
+std::unique_ptr<StepIO> cuda_step_io(Status* status, bool batched_copies) {
+  return CudaStepIO::create(batched_copies, status);
+}
 
 }  // namespace offgraph_kv

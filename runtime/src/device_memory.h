@@ -5,8 +5,15 @@
 #include <cstddef>
 #include <memory>
 #include <utility>
+#include <vector>
 
 namespace offgraph_kv {
+
+struct CopyOp {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
 
 class DeviceMemory {
  public:
@@ -16,6 +23,10 @@ class DeviceMemory {
   // Must not free while work that reads `ptr` may still be in flight.
   virtual void release(void* ptr) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // Independent copies (no overlap); devices may submit them as one batch.
+  virtual void copy_many(const std::vector<CopyOp>& copies) {
+    for (const CopyOp& c : copies) copy(c.dst, c.src, c.bytes);
+  }
   virtual void zero(void* dst, size_t bytes) = 0;
   // Wait until queued work (copies, frees) is done; host memory has none.
   virtual void synchronize() {}

@@ -33,7 +33,7 @@ class HostStepIO final : public StepIO {
 std::unique_ptr<StepIO> host_step_io() { return std::make_unique<HostStepIO>(); }
 
 #ifndef OFFGRAPH_KV_WITH_CUDA
-std::unique_ptr<StepIO> cuda_step_io(Status* status) {
+std::unique_ptr<StepIO> cuda_step_io(Status* status, bool) {
   *status = Status(Error::NotSupported,
                    "this build of the offgraph-kv runtime has no CUDA support (rebuild where nvcc and the CUDA runtime are present)");
   return nullptr;

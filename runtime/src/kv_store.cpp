@@ -38,7 +38,7 @@ std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, Growth
                                          Status* status) {
   std::unique_ptr<KVStore> store(
       new KVStore(std::move(tensors), policy, max_write, std::move(memory)));
-  store->buffers_.resize(store->tensors_.size());
+  store->rings_.resize(store->tensors_.size());
   for (size_t i = 0; i < store->tensors_.size(); ++i) {
     const TensorSpec& t = store->tensors_[i];
     if (t.kind == LayerKind::Ring && t.window == 0) {
@@ -48,15 +48,15 @@ std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, Growth
     }
     if (t.kind != LayerKind::Ring) continue;
     const size_t bytes = store->rows_of(i, 0) * t.row_bytes();
-    store->buffers_[i] = allocate_buffer(store->memory_, bytes);
-    if (store->buffers_[i].data() == nullptr) {
+    store->rings_[i] = allocate_buffer(store->memory_, bytes);
+    if (store->rings_[i].data() == nullptr) {
       *status = Status(Error::MemoryAllocationFailed,
                        "layer " + std::to_string(t.layer) + ": cannot allocate " +
                            std::to_string(bytes) + " bytes of ring storage");
       return nullptr;
     }
     // Empty slots are masked, but 0 x NaN is NaN: never leave garbage in a ring.
-    store->memory_->zero(store->buffers_[i].data(), bytes);
+    store->memory_->zero(store->rings_[i].data(), bytes);
     store->note_allocated(bytes);
   }
   Status s = store->resize_flat(policy.initial_capacity, 0);
@@ -88,31 +88,49 @@ void KVStore::note_allocated(size_t bytes) {
   peak_ = std::max(peak_, allocated_);
 }
 
-Status KVStore::resize_flat(size_t new_capacity, size_t rows_to_keep) {
-  std::vector<Buffer> fresh(tensors_.size());
-  size_t fresh_bytes = 0;
+std::vector<size_t> KVStore::arena_offsets(size_t capacity, size_t* total) const {
+  constexpr size_t kAlign = 256;  // what CUDA allocations and vector loads like
+  std::vector<size_t> offsets(tensors_.size(), 0);
+  size_t at = 0;
   for (size_t i = 0; i < tensors_.size(); ++i) {
     if (tensors_[i].kind != LayerKind::Flat) continue;
-    const size_t bytes = new_capacity * tensors_[i].row_bytes();
-    fresh[i] = allocate_buffer(memory_, bytes);
-    if (fresh[i].data() == nullptr) {
-      // `fresh` releases what was made so far; the old storage is untouched.
-      return Status(Error::MemoryAllocationFailed,
-                    "layer " + std::to_string(tensors_[i].layer) + ": cannot allocate " +
-                        std::to_string(bytes) + " bytes to grow to " +
-                        std::to_string(new_capacity) + " rows");
-    }
-    fresh_bytes += bytes;
+    offsets[i] = at;
+    at += (capacity * tensors_[i].row_bytes() + kAlign - 1) / kAlign * kAlign;
+  }
+  *total = at;
+  return offsets;
+}
+
+void* KVStore::data_of(size_t i) const {
+  if (tensors_[i].kind == LayerKind::Ring) return rings_[i].data();
+  return static_cast<char*>(flat_arena_.data()) + flat_offset_[i];
+}
+
+Status KVStore::resize_flat(size_t new_capacity, size_t rows_to_keep) {
+  if (!has_flat_) return Status::ok_status();
+  size_t bytes = 0;
+  std::vector<size_t> offsets = arena_offsets(new_capacity, &bytes);
+  Buffer fresh = allocate_buffer(memory_, bytes);
+  if (fresh.data() == nullptr) {
+    // The old storage is untouched.
+    return Status(Error::MemoryAllocationFailed,
+                  "cannot allocate " + std::to_string(bytes) + " bytes of flat KV storage to grow to " +
+                      std::to_string(new_capacity) + " rows");
   }
   // Old and new coexist until the copy is done: that transient is the peak.
-  note_allocated(fresh_bytes);
-  for (size_t i = 0; i < tensors_.size(); ++i) {
-    if (tensors_[i].kind != LayerKind::Flat) continue;
-    // Sequence-major rows: the committed prefix is one contiguous block.
-    if (rows_to_keep > 0) memory_->copy(fresh[i].data(), buffers_[i].data(), rows_to_keep * tensors_[i].row_bytes());
-    allocated_ -= buffers_[i].bytes();
-    buffers_[i] = std::move(fresh[i]);
+  note_allocated(bytes);
+  if (rows_to_keep > 0) {
+    std::vector<CopyOp> copies;
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      if (tensors_[i].kind != LayerKind::Flat) continue;
+      // Sequence-major rows: the committed prefix of a tensor is one contiguous block.
+      copies.push_back({static_cast<char*>(fresh.data()) + offsets[i], data_of(i), rows_to_keep * tensors_[i].row_bytes()});
+    }
+    memory_->copy_many(copies);
   }
+  allocated_ -= flat_arena_.bytes();
+  flat_arena_ = std::move(fresh);  // the old arena's release is ordered after the copy
+  flat_offset_ = std::move(offsets);
   capacity_ = new_capacity;
   return Status::ok_status();
 }
@@ -154,12 +172,12 @@ void KVStore::abort_step() { pending_ = 0; }
 
 Binding KVStore::binding(size_t i) const {
   const TensorSpec& t = tensors_[i];
-  if (t.kind == LayerKind::Ring) return {buffers_[i].data(), int64_t(rows_of(i, capacity_))};
-  return {buffers_[i].data(), int64_t(length_ + pending_)};
+  if (t.kind == LayerKind::Ring) return {data_of(i), int64_t(rows_of(i, capacity_))};
+  return {data_of(i), int64_t(length_ + pending_)};
 }
 
 const void* KVStore::row_data(size_t i, size_t row) const {
-  return static_cast<const char*>(buffers_[i].data()) + row * tensors_[i].row_bytes();
+  return static_cast<const char*>(data_of(i)) + row * tensors_[i].row_bytes();
 }
 
 Status KVStore::reset(bool release_memory) {
@@ -192,7 +210,7 @@ StoreMetrics KVStore::metrics() const {
       m.layers.push_back({t.layer, t.kind, t.window, rows_of(i, capacity_), 0});
       it = m.layers.end() - 1;
     }
-    it->bytes += buffers_[i].bytes();
+    it->bytes += rows_of(i, capacity_) * t.row_bytes();
   }
   return m;
 }

@@ -103,12 +103,18 @@ class KVStore {
   size_t rows_of(size_t i, size_t flat_capacity) const;
   size_t bytes_at(size_t flat_capacity) const;
   // All-or-nothing: either every flat tensor moves to `new_capacity` with its
-  // committed rows, or nothing changes.
+  // committed rows, or nothing changes. One allocation and one batched copy per
+  // growth, whatever the layer count: per-tensor allocations dominated growth
+  // time on the H200.
   Status resize_flat(size_t new_capacity, size_t rows_to_keep);
   void note_allocated(size_t bytes);
 
   std::vector<TensorSpec> tensors_;
-  std::vector<Buffer> buffers_;
+  std::vector<Buffer> rings_;       // one allocation per ring tensor, made once
+  Buffer flat_arena_;               // every flat tensor, in one allocation per capacity
+  std::vector<size_t> flat_offset_; // byte offset of flat tensor i in the arena
+  std::vector<size_t> arena_offsets(size_t capacity, size_t* total) const;
+  void* data_of(size_t i) const;
   GrowthPolicy policy_;
   size_t max_write_;
   bool has_flat_;  // fixed by the manifest: derived once, not per step

@@ -9,6 +9,7 @@
 
 #include "delegate.h"
 #include "growth_benchmark.h"
+#include "host_runner.h"
 #include "kv_store.h"
 #include "store_registry.h"
 
@@ -88,17 +89,53 @@ PYBIND11_MODULE(_runtime, m) {
   m.def(
       "time_growth",
       [](const std::string& device, size_t layers, size_t heads, size_t head_dim, const std::string& dtype,
-         size_t rows_before, size_t rows_after, int repeats) {
+         size_t rows_before, size_t rows_after, int repeats, bool batched) {
         const int code = dtype == "fp32" ? 0 : dtype == "fp16" ? 1 : dtype == "bf16" ? 2 : -1;
         GrowthTiming t;
-        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, &t);
+        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, batched, &t);
         if (!s.ok()) throw std::runtime_error(s.message());
         py::dict d;
         d["seconds"] = t.seconds;
         d["bytes_copied"] = t.bytes_copied;
         return d;
       },
+      py::arg("device"), py::arg("layers"), py::arg("heads"), py::arg("head_dim"), py::arg("dtype"),
+      py::arg("rows_before"), py::arg("rows_after"), py::arg("repeats"), py::arg("batched") = true,
       "Benchmark hook: mean seconds of one store growth (allocate, copy, release) and the bytes it copies.");
+  py::class_<HostRunner>(m, "HostRunner",
+                         "A method of a .pte run through ExecuTorch's C++ Module, with raw host buffers in and out.")
+      .def(py::init([](const std::string& path, const std::string& method) {
+             Status s;
+             std::unique_ptr<HostRunner> r = HostRunner::load(path, method, &s);
+             if (!r) throw std::runtime_error(s.message());
+             return r;
+           }),
+           py::arg("path"), py::arg("method") = "forward")
+      .def(
+          "run",
+          [](HostRunner& r, const std::vector<std::tuple<uintptr_t, std::vector<int64_t>, std::string>>& inputs) {
+            std::vector<HostTensor> in;
+            for (const auto& [ptr, sizes, dtype] : inputs) {
+              HostTensor t;
+              t.data = reinterpret_cast<const void*>(ptr);
+              t.sizes = sizes;
+              t.dtype = dtype;
+              in.push_back(std::move(t));
+            }
+            std::vector<HostTensor> out;
+            Status s;
+            {
+              py::gil_scoped_release unlocked;
+              s = r.run(in, &out);
+            }
+            if (!s.ok()) throw std::runtime_error(s.message());
+            py::list result;
+            for (const HostTensor& t : out)
+              result.append(py::make_tuple(t.dtype, t.sizes,
+                                           py::bytes(static_cast<const char*>(t.data), t.nbytes)));
+            return result;
+          },
+          py::arg("inputs"), "inputs: (data_ptr, sizes, dtype) of dense host tensors; returns (dtype, sizes, bytes).");
   m.def("stores", &live_stores, "The stores of the methods loaded in this process, oldest first.");
   m.def(
       "set_options",

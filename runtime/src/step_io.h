@@ -48,7 +48,9 @@ inline void describe_length(void* data, TensorDesc* d) {
 }
 
 std::unique_ptr<StepIO> host_step_io();
-// nullptr with a message when this build or machine has no CUDA.
-std::unique_ptr<StepIO> cuda_step_io(Status* status);
+// nullptr with a message when this build or machine has no CUDA. Growth copies
+// go out as one cudaMemcpyBatchAsync unless batched_copies is false (kept for
+// the side-by-side growth benchmark).
+std::unique_ptr<StepIO> cuda_step_io(Status* status, bool batched_copies = true);
 
 }  // namespace offgraph_kv

@@ -37,14 +37,24 @@ struct Register {
 
 namespace {
 
-// Host memory that can be told to refuse the next allocations.
+// Host memory that counts what the store asks of it and can be told to refuse
+// the next allocations.
 class FailingMemory final : public DeviceMemory {
  public:
   int fail_after = -1;  // allocations left before refusing; -1 = never refuse
+  int allocations = 0;
+  int batches = 0;
+  size_t batch_copies = 0;
   void* allocate(size_t bytes) override {
     if (fail_after == 0) return nullptr;
     if (fail_after > 0) --fail_after;
+    ++allocations;
     return host_memory()->allocate(bytes);
+  }
+  void copy_many(const std::vector<CopyOp>& copies) override {
+    ++batches;
+    batch_copies += copies.size();
+    DeviceMemory::copy_many(copies);
   }
   void release(void* p) override { host_memory()->release(p); }
   void copy(void* d, const void* s, size_t n) override { host_memory()->copy(d, s, n); }
@@ -176,15 +186,35 @@ TEST(failed_growth_allocation_leaves_store_unchanged) {
   fill_step(*s, 2);
   s->commit_step();
   const StoreMetrics before = s->metrics();
-  mem->fail_after = 2;  // the third of four new tensors fails
+  mem->fail_after = 0;  // the growth's one allocation (all four tensors) fails
   Status g = s->prepare_step(1);
   CHECK(!g.ok() && g.code() == Error::MemoryAllocationFailed);
-  CHECK(g.message().find("layer 1") != std::string::npos);
+  CHECK(g.message().find("to grow to 4 rows") != std::string::npos);
   const StoreMetrics after = s->metrics();
   CHECK(after.capacity == before.capacity && after.allocated_bytes == before.allocated_bytes);
   CHECK(s->length() == 2 && rows_intact(*s, 2));
   mem->fail_after = -1;
   CHECK(s->prepare_step(1).ok());
+}
+
+TEST(growth_is_one_allocation_and_one_copy_batch_whatever_the_layer_count) {
+  auto mem = std::make_shared<FailingMemory>();
+  Status st;
+  auto s = KVStore::create(flat_layers(32, StorageDType::BFloat16), policy(4, 64), 8, mem, &st);
+  CHECK(st.ok() && mem->allocations == 1);
+  CHECK(s->prepare_step(3).ok());
+  fill_step(*s, 3);
+  s->commit_step();
+  CHECK(s->prepare_step(4).ok());  // 4 -> 8 rows
+  CHECK(mem->allocations == 2 && mem->batches == 1 && mem->batch_copies == 64);
+  s->abort_step();
+  CHECK(rows_intact(*s, 3));
+  // Every tensor gets its own non-overlapping rows, 256-byte aligned within the arena.
+  for (size_t i = 0; i + 1 < s->tensors().size(); ++i) {
+    const auto a = reinterpret_cast<uintptr_t>(s->binding(i).data);
+    const auto b = reinterpret_cast<uintptr_t>(s->binding(i + 1).data);
+    CHECK((b - a) % 256 == 0 && b >= a + 8 * s->tensors()[i].row_bytes());
+  }
 }
 
 TEST(reset_with_release_returns_to_initial_allocation) {

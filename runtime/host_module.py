@@ -1,0 +1,50 @@
+"""Run a .pte through ExecuTorch's C++ ``Module`` with plain host buffers.
+
+``executorch.runtime`` hands tensors to its C++ side through the ATen ABI of
+the torch it was built against (2.13). Where a different torch is loaded (the
+H200 image ships 2.11 with CUDA), that hand-off fails before any backend runs.
+``HostMethod`` talks to the same libexecutorch.so through pointers, sizes and
+dtype names only, so it works with any torch; on a matching torch it gives the
+same results as ``executorch.runtime`` (tests/test_host_runner.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Sequence, Union
+
+import torch
+
+from offgraph_kv.runtime._runtime import HostRunner
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class HostMethod:
+    """One loaded method; ``execute`` mirrors ``executorch.runtime``'s ``Method.execute``."""
+
+    def __init__(self, path: Union[str, Path], method: str = "forward") -> None:
+        self._runner = HostRunner(str(path), method)
+
+    def execute(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        dense = []
+        for i, t in enumerate(inputs):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"input {i}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.device.type != "cpu":
+                raise ValueError(f"input {i}: method inputs are host tensors, got one on {t.device}")
+            dense.append(t.contiguous())  # kept alive until run returns
+        outs = self._runner.run([(t.data_ptr(), list(t.shape), _dtype_name(t.dtype)) for t in dense])
+        result = []
+        for dtype, sizes, payload in outs:
+            flat = torch.frombuffer(bytearray(payload), dtype=getattr(torch, dtype)) if payload else \
+                torch.empty(0, dtype=getattr(torch, dtype))
+            result.append(flat.reshape(sizes))
+        return result
+
+
+def pybindings_match_torch() -> bool:
+    """Whether ``executorch.runtime`` can exchange tensors with the torch in this process."""
+    return torch.__version__.split("+")[0] == "2.13.0"

@@ -1,0 +1,97 @@
+#include "host_runner.h"
+
+#include <executorch/extension/tensor/tensor.h>
+
+#include <utility>
+
+namespace offgraph_kv {
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::runtime::EValue;
+
+struct DTypeName {
+  const char* name;
+  ScalarType type;
+};
+constexpr DTypeName kDTypes[] = {
+    {"float32", ScalarType::Float}, {"float16", ScalarType::Half},  {"bfloat16", ScalarType::BFloat16},
+    {"int64", ScalarType::Long},    {"int32", ScalarType::Int},     {"bool", ScalarType::Bool},
+    {"uint8", ScalarType::Byte},    {"float64", ScalarType::Double},
+};
+
+bool scalar_type_of(const std::string& name, ScalarType* out) {
+  for (const DTypeName& d : kDTypes)
+    if (name == d.name) {
+      *out = d.type;
+      return true;
+    }
+  return false;
+}
+
+const char* name_of(ScalarType type) {
+  for (const DTypeName& d : kDTypes)
+    if (d.type == type) return d.name;
+  return nullptr;
+}
+
+std::string error_text(const char* what, executorch::runtime::Error e) {
+  return std::string(what) + " failed with ExecuTorch error " + std::to_string(int(e)) + " (the log above says why)";
+}
+
+}  // namespace
+
+HostRunner::HostRunner(const std::string& path, std::string method)
+    : module_(path, executorch::extension::module::Module::LoadMode::Mmap), method_(std::move(method)) {}
+
+std::unique_ptr<HostRunner> HostRunner::load(const std::string& path, const std::string& method, Status* status) {
+  std::unique_ptr<HostRunner> runner(new HostRunner(path, method));
+  auto e = runner->module_.load();
+  if (e != executorch::runtime::Error::Ok) {
+    *status = Status(e, error_text(("loading program " + path).c_str(), e));
+    return nullptr;
+  }
+  e = runner->module_.load_method(method);
+  if (e != executorch::runtime::Error::Ok) {
+    *status = Status(e, error_text(("loading method '" + method + "'").c_str(), e));
+    return nullptr;
+  }
+  *status = Status::ok_status();
+  return runner;
+}
+
+Status HostRunner::run(const std::vector<HostTensor>& inputs, std::vector<HostTensor>* outputs) {
+  std::vector<executorch::extension::TensorPtr> owned;  // alive until execute returns
+  std::vector<EValue> values;
+  owned.reserve(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const HostTensor& in = inputs[i];
+    ScalarType type;
+    if (!scalar_type_of(in.dtype, &type))
+      return Status(Error::InvalidArgument, "input " + std::to_string(i) + ": unsupported dtype '" + in.dtype + "'");
+    std::vector<executorch::aten::SizesType> sizes(in.sizes.begin(), in.sizes.end());
+    owned.push_back(executorch::extension::from_blob(const_cast<void*>(in.data), std::move(sizes), type));
+    values.emplace_back(*owned.back());
+  }
+  auto result = module_.execute(method_, values);
+  if (!result.ok()) return Status(result.error(), error_text(("executing '" + method_ + "'").c_str(), result.error()));
+  last_outputs_ = std::move(result.get());
+  outputs->clear();
+  for (size_t i = 0; i < last_outputs_.size(); ++i) {
+    if (!last_outputs_[i].isTensor())
+      return Status(Error::NotSupported, "output " + std::to_string(i) + " is not a tensor");
+    const executorch::aten::Tensor t = last_outputs_[i].toTensor();
+    const char* name = name_of(t.scalar_type());
+    if (name == nullptr)
+      return Status(Error::NotSupported, "output " + std::to_string(i) + " has an unsupported dtype");
+    HostTensor out;
+    out.dtype = name;
+    out.sizes.assign(t.sizes().begin(), t.sizes().end());
+    out.data = t.const_data_ptr();
+    out.nbytes = t.nbytes();
+    outputs->push_back(std::move(out));
+  }
+  return Status::ok_status();
+}
+
+}  // namespace offgraph_kv
