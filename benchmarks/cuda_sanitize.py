@@ -10,12 +10,11 @@ import sys
 import torch
 
 import offgraph_kv.runtime as rt
-from executorch.runtime import Runtime
 
 
 def main(path: str) -> int:
-    method = Runtime.get().load_program(path).load_method("forward")
-    store = rt.stores()[-1]
+    method = rt.HostMethod(path)  # works whichever torch the process has
+    store = rt.latest_store()
     tok = torch.tensor([[1, 2, 3]])
     length = 0
     while store.metrics()["growths"] < 3 or length < 40:

@@ -38,10 +38,13 @@ class ModelArgs:
     # layers, otherwise one per layer.
     sliding_windows: List[int] = field(default_factory=lambda: [0])
     tie_embeddings: bool = False
+    # Set when heads are not dim / n_heads wide (e.g. a narrow residual stream
+    # with Llama-3-8B-sized attention, as the CUDA benchmark uses).
+    attention_head_dim: Optional[int] = None
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attention_head_dim or self.dim // self.n_heads
 
     @property
     def ffn_hidden(self) -> int:

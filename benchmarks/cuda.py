@@ -1,0 +1,392 @@
+"""The H200 suite: offgraph-kv on CUDA, everything compared in one run.
+
+    python -m benchmarks.cuda --workdir /tmp/cuda_bench --out benchmarks/results/cuda_h200.json
+    python -m benchmarks.cuda --plot benchmarks/results/cuda_h200.json   # PNGs from a result (any machine)
+
+Model: a 32-layer decoder with Llama-3-8B attention shapes (32 query heads,
+8 KV heads, head dim 128) on a narrow residual stream (dim 512), bf16 weights
+and bf16 KV, random weights: 128 KiB of KV per token, so at 32K context a
+decode step reads 4 GiB of KV against 0.4 GB of weights. Lowered with
+``device="cuda"``; loaded through ExecuTorch's C++ Module (``HostMethod``).
+
+Measured in the same run:
+
+- one greedy generation from an empty cache (initial capacity 256, doubling)
+  to 32 000 tokens: per-step wall time, growth steps and their extra time,
+  device memory at 200 / 2 000 / 8 000 / 32 000 tokens;
+- decode ms/token at 1K / 8K / 32K real context (median of steps around it);
+- host work per step (the delegate's own counter: width, prepare, bind,
+  commit; kernels and the output copy excluded);
+- prefill tokens/s for a 512-token prompt;
+- the same decode at 1K context with the whole 32K capacity allocated up front
+  (capacity must not cost speed);
+- torch's SDPA backends on one layer at each context, and attention time per
+  layer derived from our decode times, both as a share of memcpy bandwidth;
+- growth copy (one allocation + one batched copy) vs plain memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+LLAMA_DIR = REPO / "examples" / "llama"
+if str(LLAMA_DIR) not in sys.path:
+    sys.path.insert(0, str(LLAMA_DIR))
+
+from benchmarks.cuda_growth import growth_rows, memcpy_seconds  # noqa: E402
+from benchmarks.measure import growth_share  # noqa: E402
+from benchmarks.report import rolling  # noqa: E402
+
+SHAPE = dict(dim=512, n_layers=32, n_heads=32, n_kv_heads=8, attention_head_dim=128, vocab_size=1024, hidden_dim=512)
+SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, hidden_dim=64)  # --small: a CPU dry run
+MAX_WRITE = 512
+INITIAL_CAPACITY = 256
+MIB = 2**20
+
+
+def build(shape: Dict[str, int], device: str, max_capacity: int, out: Path) -> Dict[str, object]:
+    from executorch.exir import to_edge_transform_and_lower
+    from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic
+
+    from offgraph_kv.partitioner import OffGraphKVPartitioner
+
+    t0 = time.perf_counter()
+    model = init_deterministic(Transformer(ModelArgs(**shape)), seed=0).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        ep = torch.export.export(model, example_inputs(4), dynamic_shapes=dynamic_shapes(MAX_WRITE))
+    part = OffGraphKVPartitioner(device=device, storage_dtype=torch.bfloat16, max_capacity=max_capacity,
+                                 initial_capacity=INITIAL_CAPACITY)
+    out.write_bytes(to_edge_transform_and_lower(ep, partitioner=[part]).to_executorch().buffer)
+    return {"path": str(out), "bytes": out.stat().st_size, "build_s": round(time.perf_counter() - t0, 1),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def device_used(device: str) -> Optional[int]:
+    if device != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+class Runner:
+    """A loaded method, fed greedy tokens one step at a time."""
+
+    def __init__(self, path: Path) -> None:
+        import offgraph_kv.runtime as rt
+
+        self.method = rt.HostMethod(path)
+        self.store = rt.latest_store()
+        self.length = 0
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        w = tokens.shape[1]
+        pos = torch.arange(self.length, self.length + w, dtype=torch.long).unsqueeze(-1)
+        logits = self.method.execute([tokens, pos])[0]
+        self.length += w
+        return logits
+
+    def reset(self) -> None:
+        self.store.reset(False)
+        self.length = 0
+
+
+def generate(runner: Runner, n: int, device: str, marks: List[int]) -> Dict[str, object]:
+    from tqdm import tqdm
+
+    times: List[float] = []
+    grew: List[bool] = []
+    memory: Dict[str, object] = {}
+    tok = torch.tensor([[1]], dtype=torch.long)
+    growths = runner.store.metrics()["growths"]
+    for i in tqdm(range(n), desc="generate", unit="tok", mininterval=5):
+        t0 = time.perf_counter()
+        logits = runner.step(tok)
+        times.append(time.perf_counter() - t0)
+        tok = logits[:, -1:].argmax(-1)
+        g = runner.store.metrics()["growths"]
+        grew.append(g != growths)
+        growths = g
+        if i + 1 in marks:
+            m = runner.store.metrics()
+            memory[str(i + 1)] = {"device_used": device_used(device), "kv_allocated": m["allocated_bytes"],
+                                  "kv_peak": m["peak_bytes"], "capacity": m["capacity"]}
+    return {"step_s": times, "grew": grew, "memory": memory}
+
+
+def decode_at(times: List[float], grew: List[bool], ctx: int, half: int = 16) -> Optional[float]:
+    """Median ms of the non-growth steps whose context is within ``half`` of ``ctx``."""
+    near = [times[i] for i in range(max(0, ctx - half), min(len(times), ctx + half)) if not grew[i]]
+    return statistics.median(near) * 1e3 if near else None
+
+
+def host_us(runner: Runner, fn) -> float:  # noqa: ANN001
+    """Delegate host work per step over the steps ``fn`` runs."""
+    before = runner.store.metrics()
+    fn()
+    after = runner.store.metrics()
+    steps = after["steps"] - before["steps"]
+    total = after["host_us_per_step"] * after["steps"] - before["host_us_per_step"] * before["steps"]
+    return total / steps if steps else float("nan")
+
+
+def prefill(runner: Runner, vocab: int, repeats: int = 3) -> Dict[str, float]:
+    prompt = torch.randint(0, vocab, (1, MAX_WRITE), generator=torch.Generator().manual_seed(7))
+    runner.reset()
+    runner.step(prompt)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        runner.reset()
+        t0 = time.perf_counter()
+        runner.step(prompt)
+        best = min(best, time.perf_counter() - t0)
+    runner.reset()
+    return {"tokens": MAX_WRITE, "seconds": best, "tokens_per_s": MAX_WRITE / best}
+
+
+def sdpa_reference(shape: Dict[str, int], contexts: List[int], memcpy_Bps: float) -> List[Dict[str, object]]:
+    """torch's SDPA backends for one decode query over one layer's KV, bf16, GQA via enable_gqa."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d = shape["n_heads"], shape["n_kv_heads"], shape["attention_head_dim"]
+    rows = []
+    for ctx in contexts:
+        q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH):
+            try:
+                with sdpa_kernel([backend]):
+                    def run() -> None:
+                        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    run()
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(50):
+                        run()
+                    end.record()
+                    end.synchronize()
+                    s = start.elapsed_time(end) / 50 / 1e3
+                rows.append({"context": ctx, "backend": backend.name, "ms": s * 1e3, "kv_bytes": kv_bytes,
+                             "share_of_memcpy": kv_bytes / s / memcpy_Bps})
+            except RuntimeError as e:
+                rows.append({"context": ctx, "backend": backend.name, "error": str(e).splitlines()[0][:200]})
+    return rows
+
+
+def attention_shares(decode_ms: Dict[str, Optional[float]], sdpa: List[Dict[str, object]], layers: int,
+                     kv_bytes_per_layer_token: int, memcpy_Bps: float) -> List[Dict[str, object]]:
+    """Attention time per layer that context adds, from decode times (ours) and from bare SDPA, as a share
+    of memcpy bandwidth over the KV bytes it adds. Subtracting the smallest context removes weights,
+    launches and host work, which do not depend on context."""
+    ctxs = sorted(int(c) for c, v in decode_ms.items() if v is not None)
+    if len(ctxs) < 2:
+        return []
+    lo = ctxs[0]
+    out = []
+    for ctx in ctxs[1:]:
+        extra_bytes = (ctx - lo) * kv_bytes_per_layer_token
+        ours_s = (decode_ms[str(ctx)] - decode_ms[str(lo)]) / 1e3 / layers
+        row = {"context": ctx, "from_context": lo, "ours_ms_per_layer": ours_s * 1e3,
+               "ours_share": extra_bytes / ours_s / memcpy_Bps if ours_s > 0 else None}
+        for backend in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+            a = next((r for r in sdpa if r["context"] == ctx and r["backend"] == backend and "ms" in r), None)
+            b = next((r for r in sdpa if r["context"] == lo and r["backend"] == backend and "ms" in r), None)
+            if a and b and a["ms"] > b["ms"]:
+                s = (a["ms"] - b["ms"]) / 1e3
+                row[f"{backend.lower()}_ms"] = s * 1e3
+                row[f"{backend.lower()}_share"] = extra_bytes / s / memcpy_Bps
+        out.append(row)
+    return out
+
+
+def verdict(ok: Optional[bool]) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def run(args: argparse.Namespace) -> Dict[str, object]:
+    import offgraph_kv.runtime as rt
+    from benchmarks.machine import describe
+
+    shape = SMALL if args.small else SHAPE
+    shape = {**shape, "attention_head_dim": shape.get("attention_head_dim") or shape["dim"] // shape["n_heads"]}
+    contexts = [int(c) for c in args.contexts.split(",")]
+    n = max(contexts) + 16
+    marks = [m for m in (200, 2000, 8000, 32000) if m <= n]
+    max_capacity = 1 << (n - 1).bit_length()
+    kv_per_layer_token = 2 * shape["n_kv_heads"] * shape["attention_head_dim"] * 2
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    pte = workdir / f"offgraph_{args.device}.pte"
+    result: Dict[str, object] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.cuda " + " ".join(sys.argv[1:]),
+        "machine": describe(), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "model": {**shape, "weights_dtype": "bf16", "kv_storage_dtype": "bf16",
+                  "kv_bytes_per_token": kv_per_layer_token * shape["n_layers"]},
+        "max_capacity": max_capacity, "initial_capacity": INITIAL_CAPACITY,
+    }
+    print(f"building {pte.name} ...", flush=True)
+    result["build"] = build(shape, args.device, max_capacity, pte)
+    print(f"  {result['build']}", flush=True)
+
+    used0 = device_used(args.device)
+    runner = Runner(pte)
+    result["memory_after_load"] = {"device_used_delta": None if used0 is None else device_used(args.device) - used0,
+                                   "kv_allocated": runner.store.metrics()["allocated_bytes"]}
+    gen_host_us: List[float] = []
+    gen = {}
+    gen_host_us.append(host_us(runner, lambda: gen.update(generate(runner, n, args.device, marks))))
+    times, grew = gen["step_s"], gen["grew"]
+    for m in gen["memory"].values():
+        if used0 is not None and m["device_used"] is not None:
+            m["device_used_delta"] = m["device_used"] - used0
+    decode = {str(c): decode_at(times, grew, c) for c in contexts}
+    result["generation"] = {
+        "tokens": n, "decode_ms": decode, "memory": gen["memory"], "host_us_per_step": gen_host_us[0],
+        "final": runner.store.metrics() | {"layers": None},
+        "growth": growth_share(times, grew), "step_ms_rolling": rolling([t * 1e3 for t in times]),
+    }
+    result["prefill"] = prefill(runner, shape["vocab_size"])
+
+    # Capacity must not cost speed: the same decode at the smallest context with all of it allocated up front.
+    lo = min(contexts)
+    del runner
+    rt.configure(initial_capacity=max_capacity)
+    try:
+        full = Runner(pte)
+    finally:
+        rt.configure()
+    tok = torch.tensor([[1]], dtype=torch.long)
+    full_times = []
+    for i in range(lo + 16):
+        t0 = time.perf_counter()
+        tok = full.step(tok)[:, -1:].argmax(-1)
+        full_times.append(time.perf_counter() - t0)
+    full_ms = decode_at(full_times, [False] * len(full_times), lo)
+    result["capacity_independence"] = {"context": lo, "grown_ms": decode[str(lo)], "preallocated_ms": full_ms,
+                                       "preallocated_capacity": full.store.capacity,
+                                       "ratio": full_ms / decode[str(lo)] if decode[str(lo)] else None}
+    del full
+
+    if args.device == "cuda":
+        mc_bytes = 1 << 30
+        memcpy_Bps = 2 * mc_bytes / memcpy_seconds(mc_bytes)
+        result["memcpy_TBps"] = memcpy_Bps / 1e12
+        result["sdpa"] = sdpa_reference(shape, contexts, memcpy_Bps)
+        result["attention"] = attention_shares(decode, result["sdpa"], shape["n_layers"], kv_per_layer_token,
+                                               memcpy_Bps)
+        result["growth_copy"] = {"batched": growth_rows(batched=True), "one_by_one": growth_rows(batched=False)}
+    result["targets"] = targets(result)
+    return result
+
+
+def targets(r: Dict[str, object]) -> List[str]:
+    g = r["generation"]
+    lines = []
+    hu = g["host_us_per_step"]
+    lines.append(f"{verdict(hu < 20)}  host work per step {hu:.1f} us ({r['model']['n_layers']} layers) < 20 us")
+    share = g["growth"]["growth_time_share"]
+    lines.append(f"{verdict(None if share is None else share <= 0.01)}  growth {100 * (share or 0):.3f} % of "
+                 f"{g['tokens']}-token generation time <= 1 %")
+    ci = r["capacity_independence"]
+    if ci["ratio"] is not None:
+        lines.append(f"{verdict(ci['ratio'] <= 1.05)}  decode at {ci['context']} with capacity "
+                     f"{ci['preallocated_capacity']} preallocated: {ci['ratio']:.3f} x the grown store (<= 1.05)")
+    bpt = r["model"]["kv_bytes_per_token"]
+    for tokens, m in g["memory"].items():
+        bound = 2 * bpt * int(tokens) + bpt * INITIAL_CAPACITY
+        lines.append(f"{verdict(m['kv_allocated'] <= bound)}  KV allocated after {tokens} tokens "
+                     f"{m['kv_allocated'] / MIB:.1f} MiB <= 2 x bytes/token x length + initial "
+                     f"({bound / MIB:.1f} MiB)")
+    for row in r.get("attention", []):
+        best = max((row.get(k) or 0) for k in ("cudnn_attention_share", "flash_attention_share"))
+        if row["context"] >= 32000 and row["ours_share"] is not None:
+            lines.append(f"{verdict(row['ours_share'] >= best)}  decode attention at {row['context']}: "
+                         f"{100 * row['ours_share']:.0f} % of memcpy bandwidth vs torch's best SDPA "
+                         f"{100 * best:.0f} %")
+    for row in r.get("growth_copy", {}).get("batched", []):
+        lines.append(f"{verdict(row['ratio'] >= 0.9)}  growth copy {row['bytes_copied'] / MIB:.0f} MiB: "
+                     f"{row['ratio']:.2f} of memcpy bandwidth (>= 0.90)")
+    return lines
+
+
+def plot(result: Dict[str, object], stem: Path) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = result["generation"]
+    m = result["model"]
+    sub = (f"{result['device']}, {result['date'][:10]}; {m['n_layers']} layers, {m['n_kv_heads']} KV heads x "
+           f"{m['attention_head_dim']}, bf16")
+    fig, ax = plt.subplots(figsize=(9, 5))
+    xs, ys = zip(*g["step_ms_rolling"])
+    ax.plot(xs, ys, color="tab:blue", label="offgraph-kv decode (median of 32 steps)")
+    ax.set_xlabel("context (tokens already in the cache)")
+    ax.set_ylabel("ms/token")
+    ax.set_title(f"Decode time vs context\n{sub}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    decode_png = f"{stem}_decode.png"
+    fig.savefig(decode_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    toks = sorted(int(t) for t in g["memory"])
+    bpt = result["model"]["kv_bytes_per_token"]
+    ax.plot(toks, [g["memory"][str(t)]["kv_allocated"] / MIB for t in toks], "o-", label="KV allocated")
+    dev = [g["memory"][str(t)].get("device_used_delta") for t in toks]
+    if all(d is not None for d in dev):
+        ax.plot(toks, [d / MIB for d in dev], "s-", label="device memory used since before load")
+    ax.plot([0, toks[-1]], [0, bpt * toks[-1] / MIB], "k:", label="bytes/token x length")
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"Memory vs generated tokens\n{sub}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    memory_png = f"{stem}_memory.png"
+    fig.savefig(memory_png, dpi=120)
+    plt.close(fig)
+    return [decode_png, memory_png]
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--small", action="store_true", help="a 2-layer toy (dry run of the script on CPU)")
+    p.add_argument("--contexts", default="1024,8192,32000")
+    p.add_argument("--workdir", default="/tmp/offgraph_cuda_bench")
+    p.add_argument("--out")
+    p.add_argument("--plot", help="only draw the PNGs of an existing result JSON")
+    a = p.parse_args(argv)
+    if a.plot:
+        print("\n".join(plot(json.loads(Path(a.plot).read_text()), Path(a.plot).with_suffix(""))))
+        return 0
+    os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "0")
+    result = run(a)
+    print("\n".join(result["targets"]))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
