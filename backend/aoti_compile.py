@@ -28,11 +28,13 @@ def target_of(device: str) -> str:
 
 
 def _symbolic_wrapper(workdir: str) -> str:
-    """A g++ that links shared objects with -Bsymbolic (CUDA only).
+    """A g++ that links shared objects with -Bsymbolic.
 
     On the H200 image libtorch exports std::regex instantiations built with
     another libstdc++; without -Bsymbolic they interpose on the wrapper's own and
-    creating the model container recurses forever inside parse_device_str.
+    creating the model container recurses forever inside parse_device_str (CUDA
+    and CPU code alike). Elsewhere the flag only binds the wrapper's own symbols
+    locally, which is what a self-contained program wants anyway.
     """
     real = shutil.which("g++") or "g++"
     wrapper = os.path.join(workdir, "g++")
@@ -58,13 +60,20 @@ print(path if isinstance(path, str) else [p for p in path if p.endswith(".so")][
 """
 
 
+def inductor_cache_dir() -> str:
+    """Inductor's cache for our compiles: kept between compiles (precompiled
+    headers and kernels are reused) but apart from the default one, whose
+    objects may have been linked without -Bsymbolic."""
+    default = os.path.join(tempfile.gettempdir(), f"offgraph_kv_inductor_{os.getuid()}")
+    return os.environ.get("OFFGRAPH_KV_INDUCTOR_CACHE", default)
+
+
 def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[torch.Tensor], options: dict,
                               workdir: str) -> str:
-    """CUDA: compile in a process whose inductor starts with the symbolic linker.
+    """Compile in a process whose inductor starts with the symbolic linker.
 
     Inductor reads $CXX at import and keeps compiled objects in its cache, so
-    patching a running process is not enough; a fresh process with its own
-    cache directory is what loads on the H200.
+    patching a running process is not enough.
     """
     import subprocess
     import sys
@@ -73,16 +82,16 @@ def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[t
     torch.export.save(program, ep_path)
     torch.save(list(example_args), args_path)
     torch.save(options, opt_path)
-    env = dict(os.environ, CXX=_symbolic_wrapper(workdir), TORCHINDUCTOR_CACHE_DIR=os.path.join(workdir, "cache"))
+    env = dict(os.environ, CXX=_symbolic_wrapper(workdir), TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir())
     done = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, ep_path, args_path, opt_path],
                           env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"AOTInductor CUDA compile failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"AOTInductor compile failed:\n{done.stderr[-4000:]}")
     return done.stdout.strip().splitlines()[-1]
 
 
 def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch.Tensor], device: str) -> bytes:
-    """Compile ``program`` and return the bytes of its shared object (weights inside)."""
+    """Compile ``program`` and return the bytes of its shared object (weights and kernels inside)."""
     outdir = tempfile.mkdtemp(prefix="offgraph_kv_aoti_")
     options = {
         "aot_inductor.package": False,
@@ -93,16 +102,13 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         # or a one-row cache; the program is correct for them.
         "aot_inductor.check_lowerbound": False,
     }
+    if device == "cuda":
+        # Otherwise the .so loads its GPU kernels from cubin files in the
+        # compile's cache directory at run time: gone on any other machine.
+        options["aot_inductor.embed_kernel_binary"] = True
     try:
-        if device == "cuda":
-            path = _compile_in_fresh_process(program, example_args, options, outdir)
-        else:
-            with torch.no_grad():
-                path = torch._inductor.aot_compile(program.module(), tuple(example_args), options=options)
-        if isinstance(path, (list, tuple)):
-            path = next(p for p in path if p.endswith(".so"))
+        path = _compile_in_fresh_process(program, example_args, options, outdir)
         with open(path, "rb") as f:
             return f.read()
     finally:
         shutil.rmtree(outdir, ignore_errors=True)
-
