@@ -102,7 +102,7 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         # or a one-row cache; the program is correct for them.
         "aot_inductor.check_lowerbound": False,
     }
-    if device == "cuda":
+    if device == "cuda" and os.environ.get("OFFGRAPH_KV_EMBED_CUDA_KERNELS", "1") == "1":
         # Otherwise the .so loads its GPU kernels from cubin files in the
         # compile's cache directory at run time: gone on any other machine.
         options["aot_inductor.embed_kernel_binary"] = True
