@@ -218,6 +218,12 @@ def verdict(ok: Optional[bool]) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
 
+def save(result: Dict[str, object], out: Optional[str]) -> None:
+    """Write what is measured so far (a run cut short still leaves its numbers)."""
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2))
+
+
 def run(args: argparse.Namespace) -> Dict[str, object]:
     import offgraph_kv.runtime as rt
     from benchmarks.machine import describe
@@ -243,6 +249,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     print(f"building {pte.name} ...", flush=True)
     result["build"] = build(shape, args.device, max_capacity, pte)
     print(f"  {result['build']}", flush=True)
+    save(result, args.out)
 
     used0 = device_used(args.device)
     runner = Runner(pte)
@@ -262,6 +269,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
         "growth": growth_share(times, grew), "step_ms_rolling": rolling([t * 1e3 for t in times]),
     }
     result["prefill"] = prefill(runner, shape["vocab_size"])
+    save(result, args.out)
 
     # Capacity must not cost speed: the same decode at the smallest context with all of it allocated up front.
     lo = min(contexts)
@@ -282,6 +290,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
                                        "preallocated_capacity": full.store.capacity,
                                        "ratio": full_ms / decode[str(lo)] if decode[str(lo)] else None}
     del full
+    save(result, args.out)
 
     if args.device == "cuda":
         mc_bytes = 1 << 30
