@@ -65,7 +65,9 @@ def inductor_cache_dir() -> str:
     headers and kernels are reused) but apart from the default one, whose
     objects may have been linked without -Bsymbolic."""
     default = os.path.join(tempfile.gettempdir(), f"offgraph_kv_inductor_{os.getuid()}")
-    return os.environ.get("OFFGRAPH_KV_INDUCTOR_CACHE", default)
+    path = os.environ.get("OFFGRAPH_KV_INDUCTOR_CACHE", default)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[torch.Tensor], options: dict,
