@@ -11,6 +11,12 @@ from typing import Dict, List, Optional
 # The compiled AOTI code links against libtorch; load it into the process first.
 import torch  # noqa: F401
 
+# CUDA programs allocate their intermediates through torch's CUDA caching
+# allocator, which only Python's lazy CUDA init sets up; a program run before
+# anything in the process touched CUDA would dereference an empty allocator.
+if torch.cuda.is_available():
+    torch.cuda.init()
+
 from offgraph_kv.runtime._runtime import Store, get_options, set_options, stores  # noqa: F401
 
 from offgraph_kv.runtime.host_module import HostMethod, pybindings_match_torch  # noqa: E402
