@@ -228,7 +228,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     import offgraph_kv.runtime as rt
     from benchmarks.machine import describe
 
-    shape = SMALL if args.small else SHAPE
+    shape = dict(SMALL if args.small else SHAPE)
+    if args.layers:
+        shape["n_layers"] = args.layers
     shape = {**shape, "attention_head_dim": shape.get("attention_head_dim") or shape["dim"] // shape["n_heads"]}
     contexts = [int(c) for c in args.contexts.split(",")]
     n = max(contexts) + 16
@@ -382,6 +384,7 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--small", action="store_true", help="a 2-layer toy (dry run of the script on CPU)")
     p.add_argument("--contexts", default="1024,8192,32000")
+    p.add_argument("--layers", type=int, help="override the layer count (compile time grows with it)")
     p.add_argument("--workdir", default="/tmp/offgraph_cuda_bench")
     p.add_argument("--out")
     p.add_argument("--plot", help="only draw the PNGs of an existing result JSON")

@@ -17,12 +17,23 @@ std::string cuda_error(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorString(e);
 }
 
+// Owns the execution stream: KV buffers release through it, and a store may
+// outlive the step I/O that made it, so the stream lives as long as the last
+// buffer (a free on a destroyed stream fails and leaves a CUDA error behind
+// that torch's next launch check then reports as its own).
 class CudaStreamMemory final : public DeviceMemory {
  public:
   CudaStreamMemory(cudaStream_t stream, bool batched) : stream_(stream), batched_(batched) {}
+  ~CudaStreamMemory() override {
+    cudaStreamSynchronize(stream_);  // queued frees and copies complete first
+    cudaStreamDestroy(stream_);
+    cudaGetLastError();
+  }
   void* allocate(size_t bytes) override {
     void* p = nullptr;
-    return cudaMallocAsync(&p, bytes, stream_) == cudaSuccess ? p : nullptr;
+    if (cudaMallocAsync(&p, bytes, stream_) == cudaSuccess) return p;
+    cudaGetLastError();  // reported through the store's status, not left for torch to find
+    return nullptr;
   }
   void release(void* ptr) override { cudaFreeAsync(ptr, stream_); }
   void copy(void* dst, const void* src, size_t bytes) override {
@@ -97,10 +108,8 @@ class CudaStepIO final : public StepIO {
   ~CudaStepIO() override {
     staged_.clear();
     length_device_.reset();
-    if (stream_ != nullptr) {
-      cudaStreamSynchronize(stream_);  // queued frees and copies complete first
-      cudaStreamDestroy(stream_);
-    }
+    if (memory_ != nullptr) memory_->synchronize();  // the pinned length upload is done
+    else if (stream_ != nullptr) cudaStreamDestroy(stream_);
     if (length_host_ != nullptr) cudaFreeHost(length_host_);
   }
 
