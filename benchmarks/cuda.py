@@ -45,7 +45,7 @@ if str(LLAMA_DIR) not in sys.path:
     sys.path.insert(0, str(LLAMA_DIR))
 
 from benchmarks.cuda_growth import growth_rows, memcpy_seconds  # noqa: E402
-from benchmarks.measure import growth_share  # noqa: E402
+from benchmarks.step_times import growth_share  # noqa: E402
 from benchmarks.report import rolling  # noqa: E402
 
 SHAPE = dict(dim=512, n_layers=32, n_heads=32, n_kv_heads=8, attention_head_dim=128, vocab_size=1024, hidden_dim=512)
@@ -257,16 +257,19 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     runner = Runner(pte)
     result["memory_after_load"] = {"device_used_delta": None if used0 is None else device_used(args.device) - used0,
                                    "kv_allocated": runner.store.metrics()["allocated_bytes"]}
-    gen_host_us: List[float] = []
-    gen = {}
-    gen_host_us.append(host_us(runner, lambda: gen.update(generate(runner, n, args.device, marks))))
+    gen: Dict[str, object] = {}
+
+    def generation() -> None:
+        gen.update(generate(runner, n, args.device, marks))
+
+    gen_host_us = host_us(runner, generation)
     times, grew = gen["step_s"], gen["grew"]
     for m in gen["memory"].values():
         if used0 is not None and m["device_used"] is not None:
             m["device_used_delta"] = m["device_used"] - used0
     decode = {str(c): decode_at(times, grew, c) for c in contexts}
     result["generation"] = {
-        "tokens": n, "decode_ms": decode, "memory": gen["memory"], "host_us_per_step": gen_host_us[0],
+        "tokens": n, "decode_ms": decode, "memory": gen["memory"], "host_us_per_step": gen_host_us,
         "final": runner.store.metrics() | {"layers": None},
         "growth": growth_share(times, grew), "step_ms_rolling": rolling([t * 1e3 for t in times]),
     }
@@ -275,7 +278,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
     # Capacity must not cost speed: the same decode at the smallest context with all of it allocated up front.
     lo = min(contexts)
-    del runner
+    runner = None  # release its store before the next load
     rt.configure(initial_capacity=max_capacity)
     try:
         full = Runner(pte)
@@ -291,7 +294,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     result["capacity_independence"] = {"context": lo, "grown_ms": decode[str(lo)], "preallocated_ms": full_ms,
                                        "preallocated_capacity": full.store.capacity,
                                        "ratio": full_ms / decode[str(lo)] if decode[str(lo)] else None}
-    del full
+    full = None
     save(result, args.out)
 
     if args.device == "cuda":

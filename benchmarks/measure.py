@@ -44,6 +44,7 @@ from executorch.runtime import Runtime  # noqa: E402
 import offgraph_kv.runtime as ogr  # noqa: E402
 
 from benchmarks.machine import Contention, rss_mib  # noqa: E402
+from benchmarks.step_times import growth_share, median_ms  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "examples" / "llama"))
@@ -110,28 +111,6 @@ class OffGraphProgram(Program):
 
 def token_ids(n: int, vocab: int, seed: int = 1234) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.long)
-
-
-def median_ms(times: List[float], lo: int, window: int) -> Optional[float]:
-    if len(times) < lo + window:
-        return None
-    return statistics.median(times[lo:lo + window]) * 1e3
-
-
-def growth_share(times: List[float], grew: List[bool], half: int = 32) -> Dict[str, object]:
-    """Time the growth steps took beyond a typical step nearby, as a share of all decode time."""
-    extra = 0.0
-    per = []
-    for i, g in enumerate(grew):
-        if not g:
-            continue
-        near = [times[j] for j in range(max(0, i - half), min(len(times), i + half + 1)) if not grew[j]]
-        base = statistics.median(near) if near else 0.0
-        per.append({"step": i, "ms": times[i] * 1e3, "extra_ms": max(0.0, times[i] - base) * 1e3})
-        extra += max(0.0, times[i] - base)
-    total = sum(times)
-    return {"growth_steps": per, "growth_extra_ms": extra * 1e3,
-            "growth_time_share": extra / total if total else None, "decode_total_ms": total * 1e3}
 
 
 def measure(kind: str, path: str, capacity: int, max_write: int, decode_to: int, repeats: int,
