@@ -94,11 +94,7 @@ def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[t
 
 def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch.Tensor], device: str) -> bytes:
     """Compile ``program`` and return the bytes of its shared object (weights and kernels inside)."""
-    embed = device != "cuda" or os.environ.get("OFFGRAPH_KV_EMBED_CUDA_KERNELS", "1") == "1"
-    # Unembedded CUDA kernels are read at run time from beside the compiled
-    # output, so that folder must outlive the compile (and the .pte is then
-    # bound to this machine).
-    outdir = tempfile.mkdtemp(prefix="offgraph_kv_aoti_", dir=None if embed else inductor_cache_dir())
+    outdir = tempfile.mkdtemp(prefix="offgraph_kv_aoti_")
     options = {
         "aot_inductor.package": False,
         # Weights travel inside the .so, the one artifact the runtime loads.
@@ -108,7 +104,7 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         # or a one-row cache; the program is correct for them.
         "aot_inductor.check_lowerbound": False,
     }
-    if device == "cuda" and embed:
+    if device == "cuda":
         # Otherwise the .so loads its GPU kernels from cubin files in the
         # compile's cache directory at run time: gone on any other machine.
         options["aot_inductor.embed_kernel_binary"] = True
@@ -117,5 +113,4 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         with open(path, "rb") as f:
             return f.read()
     finally:
-        if embed:
-            shutil.rmtree(outdir, ignore_errors=True)
+        shutil.rmtree(outdir, ignore_errors=True)
