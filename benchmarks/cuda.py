@@ -339,6 +339,20 @@ def targets(r: Dict[str, object]) -> List[str]:
     return lines
 
 
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:  # noqa: ANN001
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(result: Dict[str, object], stem: Path) -> List[str]:
     import matplotlib
 
@@ -352,33 +366,19 @@ def plot(result: Dict[str, object], stem: Path) -> List[str]:
     fig, ax = plt.subplots(figsize=(9, 5))
     xs, ys = zip(*g["step_ms_rolling"])
     ax.plot(xs, ys, color="tab:blue", label="offgraph-kv decode (median of 32 steps)")
-    ax.set_xlabel("context (tokens already in the cache)")
-    ax.set_ylabel("ms/token")
-    ax.set_title(f"Decode time vs context\n{sub}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    decode_png = f"{stem}_decode.png"
-    fig.savefig(decode_png, dpi=120)
-    plt.close(fig)
+    decode_png = _finish(fig, ax, "context (tokens already in the cache)", "ms/token",
+                         f"Decode time vs context\n{sub}", f"{stem}_decode.png")
 
     fig, ax = plt.subplots(figsize=(9, 5))
     toks = sorted(int(t) for t in g["memory"])
-    bpt = result["model"]["kv_bytes_per_token"]
+    bpt = m["kv_bytes_per_token"]
     ax.plot(toks, [g["memory"][str(t)]["kv_allocated"] / MIB for t in toks], "o-", label="KV allocated")
     dev = [g["memory"][str(t)].get("device_used_delta") for t in toks]
     if all(d is not None for d in dev):
         ax.plot(toks, [d / MIB for d in dev], "s-", label="device memory used since before load")
     ax.plot([0, toks[-1]], [0, bpt * toks[-1] / MIB], "k:", label="bytes/token x length")
-    ax.set_xlabel("generated tokens")
-    ax.set_ylabel("MiB")
-    ax.set_title(f"Memory vs generated tokens\n{sub}", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    memory_png = f"{stem}_memory.png"
-    fig.savefig(memory_png, dpi=120)
-    plt.close(fig)
+    memory_png = _finish(fig, ax, "generated tokens", "MiB", f"Memory vs generated tokens\n{sub}",
+                         f"{stem}_memory.png")
     return [decode_png, memory_png]
 
 
