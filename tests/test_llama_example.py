@@ -389,6 +389,20 @@ def test_run_generates_the_eager_greedy_tokens_across_growths(toy_pte: Path, tmp
     assert r["timings"]["decode_steps"] == 23 and r["timings"]["prefill_tokens"] == len(prompt)
 
 
+def test_run_under_another_torch_goes_through_the_cpp_module_with_the_same_tokens(
+        toy_pte: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import offgraph_kv.runtime as rt
+
+    monkeypatch.setattr(rt, "pybindings_match_torch", lambda: False)
+    report = tmp_path / "run.json"
+    rc = run.main([str(toy_pte), "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-stop", "--check",
+                   "--json", str(report), "--quiet"])
+    assert rc == 0
+    r = json.loads(report.read_text())
+    assert r["generated_ids"] == _eager_greedy(_toy_model(), tokenizer.ByteTokenizer().encode(PROMPT), 24)
+    assert r["check"]["argmax_mismatches"] == 0 and r["metrics"]["growths"] == 3
+
+
 def test_run_stops_cleanly_when_the_cache_is_full(toy_pte: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     report = tmp_path / "run.json"

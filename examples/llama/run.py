@@ -322,7 +322,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     # in-process run's overrides do not leak into this one.
     rt.configure(initial_capacity=a.initial_capacity, max_capacity=a.max_capacity)
     try:
-        method = Runtime.get().load_program(str(a.pte)).load_method("forward")
+        if rt.pybindings_match_torch():
+            method = Runtime.get().load_program(str(a.pte)).load_method("forward")
+        else:
+            # executorch.runtime's bindings exchange tensors through torch 2.13's
+            # C++ ABI; under another torch (a CUDA image's) go through the C++ Module.
+            method = rt.HostMethod(a.pte)
     finally:
         rt.configure()
     store = rt.stores()[-1]
