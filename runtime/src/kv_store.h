@@ -108,13 +108,15 @@ class KVStore {
   // time on the H200.
   Status resize_flat(size_t new_capacity, size_t rows_to_keep);
   void note_allocated(size_t bytes);
+  // Where each flat tensor starts in an arena of `capacity` rows (aligned), and its size.
+  std::vector<size_t> arena_offsets(size_t capacity, size_t* total) const;
+  // Storage of tensor i: its ring, or its region of the flat arena.
+  void* data_of(size_t i) const;
 
   std::vector<TensorSpec> tensors_;
   std::vector<Buffer> rings_;       // one allocation per ring tensor, made once
   Buffer flat_arena_;               // every flat tensor, in one allocation per capacity
   std::vector<size_t> flat_offset_; // byte offset of flat tensor i in the arena
-  std::vector<size_t> arena_offsets(size_t capacity, size_t* total) const;
-  void* data_of(size_t i) const;
   GrowthPolicy policy_;
   size_t max_write_;
   bool has_flat_;  // fixed by the manifest: derived once, not per step
