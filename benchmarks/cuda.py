@@ -7,7 +7,7 @@ Model: a 32-layer decoder with Llama-3-8B attention shapes (32 query heads,
 8 KV heads, head dim 128) on a narrow residual stream (dim 512), bf16 weights
 and bf16 KV, random weights: 128 KiB of KV per token, so at 32K context a
 decode step reads 4 GiB of KV against 0.4 GB of weights. Lowered with
-``device="cuda"``; loaded through ExecuTorch's C++ Module (``HostMethod``).
+``device="cuda"``; loaded with ``offgraph_kv.runtime.load_method`` (the C++ Module under the image's torch).
 
 Measured in the same run:
 
@@ -85,7 +85,7 @@ class Runner:
     def __init__(self, path: Path) -> None:
         import offgraph_kv.runtime as rt
 
-        self.method = rt.HostMethod(path)
+        self.method = rt.load_method(path)
         self.store = rt.latest_store()
         self.length = 0
 

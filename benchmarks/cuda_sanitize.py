@@ -13,7 +13,7 @@ import offgraph_kv.runtime as rt
 
 
 def main(path: str) -> int:
-    method = rt.HostMethod(path)  # works whichever torch the process has
+    method = rt.load_method(path)  # works whichever torch the process has
     store = rt.latest_store()
     tok = torch.tensor([[1, 2, 3]])
     length = 0

@@ -10,6 +10,7 @@ same results as ``executorch.runtime`` (tests/test_host_runner.py).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Sequence, Union
 
@@ -39,12 +40,28 @@ class HostMethod:
         outs = self._runner.run([(t.data_ptr(), list(t.shape), _dtype_name(t.dtype)) for t in dense])
         result = []
         for dtype, sizes, payload in outs:
-            flat = torch.frombuffer(bytearray(payload), dtype=getattr(torch, dtype)) if payload else \
+            # The bytearray is already our own copy: wrap it, do not copy again.
+            flat = torch.frombuffer(payload, dtype=getattr(torch, dtype)) if payload else \
                 torch.empty(0, dtype=getattr(torch, dtype))
             result.append(flat.reshape(sizes))
         return result
 
 
+# executorch 1.5.1's Python bindings are built against this torch.
+PYBINDINGS_TORCH = "2.13.0"
+
+
 def pybindings_match_torch() -> bool:
     """Whether ``executorch.runtime`` can exchange tensors with the torch in this process."""
-    return torch.__version__.split("+")[0] == "2.13.0"
+    return torch.__version__.split("+")[0] == PYBINDINGS_TORCH
+
+
+def load_method(path: Union[str, Path], method: str = "forward") -> object:
+    """Load ``method`` of a .pte for execution from Python: through ``executorch.runtime``
+    where its bindings match this process's torch, else through ``HostMethod``
+    (``OFFGRAPH_KV_HOST_RUNNER=1`` forces the latter). Either has ``execute(inputs)``."""
+    if os.environ.get("OFFGRAPH_KV_HOST_RUNNER") != "1" and pybindings_match_torch():
+        from executorch.runtime import Runtime
+
+        return Runtime.get().load_program(str(path)).load_method(method)
+    return HostMethod(path, method)

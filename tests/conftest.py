@@ -28,7 +28,6 @@ from executorch.extension.llm.cache.reference_cache import (  # noqa: E402
     LayerPolicy,
 )
 from executorch.extension.llm.cache.update_and_attend import REGISTRY  # noqa: E402
-from executorch.runtime import Runtime  # noqa: E402
 from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic, positions  # noqa: E402
 
 from offgraph_kv.partitioner import OffGraphKVPartitioner  # noqa: E402
@@ -77,20 +76,12 @@ class Oracle:
         self.length = 0
 
 
-# executorch.runtime exchanges tensors through torch 2.13's C++ ABI; under
-# another torch (the H200 image) load through the C++ Module instead.
-USE_HOST_RUNNER = os.environ.get("OFFGRAPH_KV_HOST_RUNNER") == "1" or not offgraph_kv.runtime.pybindings_match_torch()
-
-
 class Session:
     """A loaded method plus the length the caller believes it holds."""
 
     def __init__(self, pte_path: Path) -> None:
-        if USE_HOST_RUNNER:
-            self.method = offgraph_kv.runtime.HostMethod(pte_path)
-        else:
-            self.program = Runtime.get().load_program(str(pte_path))
-            self.method = self.program.load_method("forward")
+        # executorch.runtime, or the C++ Module under another torch (the H200 image).
+        self.method = offgraph_kv.runtime.load_method(pte_path)
         self.store = offgraph_kv.runtime.stores()[-1]
         self.length = 0
 

@@ -295,7 +295,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
     import offgraph_kv.runtime as rt
-    from executorch.runtime import Runtime
 
     tok_info = sidecar.get("tokenizer") or {}
     tok_path = a.tokenizer or tok_info.get("path")
@@ -322,12 +321,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # in-process run's overrides do not leak into this one.
     rt.configure(initial_capacity=a.initial_capacity, max_capacity=a.max_capacity)
     try:
-        if rt.pybindings_match_torch():
-            method = Runtime.get().load_program(str(a.pte)).load_method("forward")
-        else:
-            # executorch.runtime's bindings exchange tensors through torch 2.13's
-            # C++ ABI; under another torch (a CUDA image's) go through the C++ Module.
-            method = rt.HostMethod(a.pte)
+        # executorch.runtime, or ExecuTorch's C++ Module under another torch (a CUDA image's).
+        method = rt.load_method(a.pte)
     finally:
         rt.configure()
     store = rt.stores()[-1]

@@ -84,6 +84,8 @@ class CudaStepIO final : public StepIO {
       *status = Status(Error::NotSupported, cuda_error("no usable CUDA device", e));
       return nullptr;
     }
+    // From here the memory object owns the stream (stream_ is a borrowed handle).
+    io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_, batched_copies);
     // Pinned, so the per-step length upload is a true async copy.
     e = cudaMallocHost(reinterpret_cast<void**>(&io->length_host_), sizeof(int64_t));
     if (e != cudaSuccess) {
@@ -99,7 +101,6 @@ class CudaStepIO final : public StepIO {
       uint64_t keep = UINT64_MAX;
       cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
     }
-    io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_, batched_copies);
     io->length_device_ = allocate_buffer(io->memory_, sizeof(int64_t));
     *status = Status::ok_status();
     return io;
@@ -109,7 +110,6 @@ class CudaStepIO final : public StepIO {
     staged_.clear();
     length_device_.reset();
     if (memory_ != nullptr) memory_->synchronize();  // the pinned length upload is done
-    else if (stream_ != nullptr) cudaStreamDestroy(stream_);
     if (length_host_ != nullptr) cudaFreeHost(length_host_);
   }
 
@@ -155,7 +155,7 @@ class CudaStepIO final : public StepIO {
 
  private:
   CudaStepIO() = default;
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;  // owned by memory_
   int64_t* length_host_ = nullptr;
   std::shared_ptr<DeviceMemory> memory_;
   Buffer length_device_;

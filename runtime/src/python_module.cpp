@@ -132,10 +132,10 @@ PYBIND11_MODULE(_runtime, m) {
             py::list result;
             for (const HostTensor& t : out)
               result.append(py::make_tuple(t.dtype, t.sizes,
-                                           py::bytes(static_cast<const char*>(t.data), t.nbytes)));
+                                           py::bytearray(static_cast<const char*>(t.data), t.nbytes)));
             return result;
           },
-          py::arg("inputs"), "inputs: (data_ptr, sizes, dtype) of dense host tensors; returns (dtype, sizes, bytes).");
+          py::arg("inputs"), "inputs: (data_ptr, sizes, dtype) of dense host tensors; returns (dtype, sizes, bytearray).");
   m.def("stores", &live_stores, "The stores of the methods loaded in this process, oldest first.");
   m.def(
       "set_options",
