@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
+from offgraph_kv.backend.attention import attend_flat, attend_masked
 from offgraph_kv.backend.cache_ops import CacheOpSite, find_sites, is_cache_op
 
 _BOUND = threading.local()
@@ -33,48 +33,6 @@ def _bound(stores: Dict[int, Tuple[torch.Tensor, torch.Tensor]], windows: Dict[i
         yield
     finally:
         _BOUND.stores, _BOUND.windows, _BOUND.length = prev
-
-
-def attention_dtype(storage: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype attention runs in.
-
-    On CPU, fp32 (the oracle's own arithmetic). On CUDA, 16-bit storage is read
-    as is: the fused SDPA kernels take 16-bit inputs and accumulate in fp32, and
-    an fp32 copy of the whole history would triple the bytes a decode step moves.
-    """
-    if device.type == "cuda" and storage in (torch.bfloat16, torch.float16):
-        return storage
-    return torch.float32
-
-
-def grouped_query_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """SDPA for GQA without repeating K/V: fold each KV head's query group into
-    the query axis, so every KV row is read once per KV head, not once per query
-    head (and no kernel ever sees a repeated copy of the history).
-
-    q ``[1, H_q, T, D]``, keys/values ``[1, H_kv, S, D]``, mask ``[T, S]`` (bool).
-    """
-    b, hq, t, d = q.shape
-    hkv = keys.shape[1]
-    group = hq // hkv
-    # Dense first: reshaping a strided view makes export reason about (and
-    # guard on) strides; the copy is T x H_q x D, nothing next to the history.
-    folded = q.contiguous().view(b, hkv, group * t, d)  # query head h = kv * group + g
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask.repeat(group, 1), scale=scale)
-    return out.contiguous().view(b, hq, t, values.shape[-1])
-
-
-def attend_over_storage(
-    q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, mask: torch.Tensor, scale: float,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Attention of a step's queries over sequence-major storage ``[1, S, H_kv, D]``."""
-    compute = attention_dtype(k_store.dtype, q.device)
-    keys = k_store.transpose(1, 2).to(compute)
-    values = v_store.transpose(1, 2).to(compute)
-    return grouped_query_attention(q.to(compute), keys, values, mask, scale).to(out_dtype)
 
 
 def write_and_attend_flat(
@@ -97,11 +55,7 @@ def write_and_attend_flat(
     # Write: cast to storage dtype on write, as the oracle does.
     k_store.narrow(1, s - t, t).copy_(k.transpose(1, 2))
     v_store.narrow(1, s - t, t).copy_(v.transpose(1, 2))
-    # Lower-right causal: query i sees keys up to s - t + i.
-    key_pos = torch.arange(s, device=q.device)
-    query_pos = torch.arange(t, device=q.device) + (s - t)
-    mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
-    return attend_over_storage(q, k_store, v_store, mask, scale, out_dtype)
+    return attend_flat(q, k_store, v_store, scale, out_dtype)
 
 
 def write_and_attend_ring(
@@ -138,7 +92,7 @@ def write_and_attend_ring(
     qp = query_pos.unsqueeze(1)
     kp = slot_pos.unsqueeze(0)
     mask = (kp >= 0) & (kp <= qp) & (kp > qp - window)
-    return attend_over_storage(q, k_ring, v_ring, mask, scale, out_dtype)
+    return attend_masked(q, k_ring, v_ring, mask, scale, out_dtype)
 
 
 def _lowered_update_and_attend(q, k, v, position, layer_id, scale, out_dtype):  # noqa: ANN001

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "segment_copy.h"
 #include "step_io.h"
 
 namespace offgraph_kv {
@@ -23,7 +24,7 @@ std::string cuda_error(const char* what, cudaError_t e) {
 // that torch's next launch check then reports as its own).
 class CudaStreamMemory final : public DeviceMemory {
  public:
-  CudaStreamMemory(cudaStream_t stream, bool batched) : stream_(stream), batched_(batched) {}
+  CudaStreamMemory(cudaStream_t stream, CopyMode copies) : stream_(stream), copies_(copies) {}
   ~CudaStreamMemory() override {
     cudaStreamSynchronize(stream_);  // queued frees and copies complete first
     cudaStreamDestroy(stream_);
@@ -39,11 +40,15 @@ class CudaStreamMemory final : public DeviceMemory {
   void copy(void* dst, const void* src, size_t bytes) override {
     cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_);
   }
-  // A growth copies every flat tensor's prefix: submitted as one batch, the
-  // driver schedules them together instead of one launch per tensor.
+  // A growth copies every flat tensor's prefix. One launch for all of them:
+  // per-copy launch cost, not bandwidth, bounds many medium-sized copies.
   void copy_many(const std::vector<CopyOp>& copies) override {
+    if (copies.size() > 1 && copies_ == CopyMode::Kernel) {
+      if (segment_copy(copies, stream_) == cudaSuccess) return;
+      cudaGetLastError();  // a failed launch queued nothing: fall back to the driver's copies
+    }
 #if CUDART_VERSION >= 13000
-    if (batched_ && copies.size() > 1) {
+    if (copies.size() > 1 && copies_ != CopyMode::EachCall) {
       dsts_.clear();
       srcs_.clear();
       sizes_.clear();
@@ -69,7 +74,7 @@ class CudaStreamMemory final : public DeviceMemory {
 
  private:
   cudaStream_t stream_;
-  bool batched_;
+  CopyMode copies_;
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<size_t> sizes_;
@@ -77,7 +82,12 @@ class CudaStreamMemory final : public DeviceMemory {
 
 class CudaStepIO final : public StepIO {
  public:
-  static std::unique_ptr<CudaStepIO> create(bool batched_copies, Status* status) {
+  static std::unique_ptr<CudaStepIO> create(CopyMode copies, Status* status) {
+    if (copies == CopyMode::Auto) copies = segment_copy_available() ? CopyMode::Kernel : CopyMode::Batch;
+    if (copies == CopyMode::Kernel && !segment_copy_available()) {
+      *status = Status(Error::NotSupported, "copy mode 'kernel': this build has no copy kernel (built without nvcc)");
+      return nullptr;
+    }
     std::unique_ptr<CudaStepIO> io(new CudaStepIO());
     cudaError_t e = cudaStreamCreateWithFlags(&io->stream_, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
@@ -85,7 +95,7 @@ class CudaStepIO final : public StepIO {
       return nullptr;
     }
     // From here the memory object owns the stream (stream_ is a borrowed handle).
-    io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_, batched_copies);
+    io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_, copies);
     // Pinned, so the per-step length upload is a true async copy.
     e = cudaMallocHost(reinterpret_cast<void**>(&io->length_host_), sizeof(int64_t));
     if (e != cudaSuccess) {
@@ -164,8 +174,12 @@ class CudaStepIO final : public StepIO {
 
 }  // namespace
 
-std::unique_ptr<StepIO> cuda_step_io(Status* status, bool batched_copies) {
-  return CudaStepIO::create(batched_copies, status);
-}
+std::unique_ptr<StepIO> cuda_step_io(Status* status, CopyMode copies) { return CudaStepIO::create(copies, status); }
+
+#ifndef OFFGRAPH_KV_WITH_COPY_KERNEL
+// Built without nvcc: the driver's batched copies stand in for the kernel.
+bool segment_copy_available() { return false; }
+cudaError_t segment_copy(const std::vector<CopyOp>&, cudaStream_t) { return cudaErrorNotSupported; }
+#endif
 
 }  // namespace offgraph_kv

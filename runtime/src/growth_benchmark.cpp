@@ -8,12 +8,16 @@
 namespace offgraph_kv {
 
 Status time_growth(const std::string& device, size_t layers, size_t heads, size_t head_dim, int dtype,
-                   size_t rows_before, size_t rows_after, int repeats, bool batched, GrowthTiming* out) {
+                   size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode,
+                   GrowthTiming* out) {
   if (!is_supported(dtype)) return Status(Error::InvalidArgument, "unsupported dtype " + std::to_string(dtype));
   if (rows_before == 0 || rows_after <= rows_before || repeats <= 0)
     return Status(Error::InvalidArgument, "need 0 < rows_before < rows_after and repeats > 0");
+  CopyMode mode = CopyMode::Auto;
+  if (!parse_copy_mode(copy_mode, &mode))
+    return Status(Error::InvalidArgument, "copy_mode '" + copy_mode + "': expected auto, kernel, batch or each");
   Status s;
-  std::unique_ptr<StepIO> io = device == "cuda" ? cuda_step_io(&s, batched) : host_step_io();
+  std::unique_ptr<StepIO> io = device == "cuda" ? cuda_step_io(&s, mode) : host_step_io();
   if (!io) return s;
   const std::vector<TensorSpec> tensors =
       flat_layer_specs(layers, uint32_t(heads), uint32_t(head_dim), static_cast<StorageDType>(dtype), 0);

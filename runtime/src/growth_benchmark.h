@@ -15,9 +15,10 @@ struct GrowthTiming {
 };
 
 // Fills `rows_before` rows of `layers` flat K/V pairs, then grows to
-// `rows_after`, `repeats` times (each on a fresh store). `batched` submits the
-// per-tensor copies as one batch (CUDA) instead of one by one.
+// `rows_after`, `repeats` times (each on a fresh store). `copy_mode` (see
+// CopyMode: "auto", "kernel", "batch", "each") picks how CUDA submits the copies.
 Status time_growth(const std::string& device, size_t layers, size_t heads, size_t head_dim, int dtype,
-                   size_t rows_before, size_t rows_after, int repeats, bool batched, GrowthTiming* out);
+                   size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode,
+                   GrowthTiming* out);
 
 }  // namespace offgraph_kv

@@ -1,4 +1,6 @@
 #include <cstring>
+#include <string>
+#include <utility>
 
 #include "step_io.h"
 
@@ -32,8 +34,20 @@ class HostStepIO final : public StepIO {
 
 std::unique_ptr<StepIO> host_step_io() { return std::make_unique<HostStepIO>(); }
 
+bool parse_copy_mode(const std::string& name, CopyMode* mode) {
+  static const std::pair<const char*, CopyMode> names[] = {
+      {"auto", CopyMode::Auto}, {"kernel", CopyMode::Kernel}, {"batch", CopyMode::Batch}, {"each", CopyMode::EachCall}};
+  for (const auto& [n, m] : names) {
+    if (name == n) {
+      *mode = m;
+      return true;
+    }
+  }
+  return false;
+}
+
 #ifndef OFFGRAPH_KV_WITH_CUDA
-std::unique_ptr<StepIO> cuda_step_io(Status* status, bool) {
+std::unique_ptr<StepIO> cuda_step_io(Status* status, CopyMode) {
   *status = Status(Error::NotSupported,
                    "this build of the offgraph-kv runtime has no CUDA support (rebuild where nvcc and the CUDA runtime are present)");
   return nullptr;

@@ -89,10 +89,10 @@ PYBIND11_MODULE(_runtime, m) {
   m.def(
       "time_growth",
       [](const std::string& device, size_t layers, size_t heads, size_t head_dim, const std::string& dtype,
-         size_t rows_before, size_t rows_after, int repeats, bool batched) {
+         size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode) {
         const int code = dtype == "fp32" ? 0 : dtype == "fp16" ? 1 : dtype == "bf16" ? 2 : -1;
         GrowthTiming t;
-        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, batched, &t);
+        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, copy_mode, &t);
         if (!s.ok()) throw std::runtime_error(s.message());
         py::dict d;
         d["seconds"] = t.seconds;
@@ -100,7 +100,7 @@ PYBIND11_MODULE(_runtime, m) {
         return d;
       },
       py::arg("device"), py::arg("layers"), py::arg("heads"), py::arg("head_dim"), py::arg("dtype"),
-      py::arg("rows_before"), py::arg("rows_after"), py::arg("repeats"), py::arg("batched") = true,
+      py::arg("rows_before"), py::arg("rows_after"), py::arg("repeats"), py::arg("copy_mode") = "auto",
       "Benchmark hook: mean seconds of one store growth (allocate, copy, release) and the bytes it copies.");
   py::class_<HostRunner>(m, "HostRunner",
                          "A method of a .pte run through ExecuTorch's C++ Module, with raw host buffers in and out.")

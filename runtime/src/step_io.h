@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "compiled_program.h"
 #include "device_memory.h"
@@ -47,10 +48,16 @@ inline void describe_length(void* data, TensorDesc* d) {
   d->strides = {1};
 }
 
+// How a CUDA store submits the per-tensor copies of one growth. Auto is the
+// fastest this build has: one copy-kernel launch when it was built with nvcc,
+// else one cudaMemcpyBatchAsync. The others stay for side-by-side benchmarks.
+enum class CopyMode { Auto, Kernel, Batch, EachCall };
+// "auto", "kernel", "batch" or "each"; false for anything else.
+bool parse_copy_mode(const std::string& name, CopyMode* mode);
+
 std::unique_ptr<StepIO> host_step_io();
-// nullptr with a message when this build or machine has no CUDA. Growth copies
-// go out as one cudaMemcpyBatchAsync unless batched_copies is false (kept for
-// the side-by-side growth benchmark).
-std::unique_ptr<StepIO> cuda_step_io(Status* status, bool batched_copies = true);
+// nullptr with a message when this build or machine has no CUDA, or when
+// `copies` asks for a kernel this build does not have.
+std::unique_ptr<StepIO> cuda_step_io(Status* status, CopyMode copies = CopyMode::Auto);
 
 }  // namespace offgraph_kv

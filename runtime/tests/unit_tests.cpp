@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,7 +12,12 @@
 #include "load_policy.h"
 #include "manifest_generated.h"
 #include "manifest_reader.h"
+#include "step_io.h"
 #include "step_width.h"
+
+#ifdef OFFGRAPH_KV_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 using namespace offgraph_kv;
 
@@ -337,6 +343,49 @@ TEST(backend_options_override_defaults_all_or_nothing) {
   CHECK(apply_options({opts, 1}).ok());
   CHECK(resolve_policy(defaults, {}).max_capacity == 4096);
 }
+
+#ifdef OFFGRAPH_KV_WITH_CUDA
+// On a GPU: a growth through each copy mode keeps every committed byte of
+// every tensor, including rows that are not a multiple of 16 bytes and tensors
+// large enough to need many blocks. Without a usable device it says SKIP.
+TEST(cuda_growth_keeps_every_byte_in_each_copy_mode) {
+  const char* modes[] = {"kernel", "batch", "each"};
+  for (const char* name : modes) {
+    CopyMode mode = CopyMode::Auto;
+    CHECK(parse_copy_mode(name, &mode));
+    Status st;
+    std::unique_ptr<StepIO> io = cuda_step_io(&st, mode);
+    if (!io) {
+      std::printf("  SKIP %s: %s\n", name, st.message().c_str());
+      continue;
+    }
+    // 3 fp16 heads x 5 dims = 30-byte rows (ragged), and 8 x 128 bf16 = 2 KiB rows.
+    std::vector<TensorSpec> tensors = flat_layer_specs(2, 3, 5, StorageDType::Float16, 0);
+    for (const TensorSpec& t : flat_layer_specs(3, 8, 128, StorageDType::BFloat16, 0)) tensors.push_back(t);
+    auto s = KVStore::create(tensors, policy(1000, 4000), 1000, io->memory(), &st);
+    CHECK(st.ok() && s != nullptr);
+    if (!s) continue;
+    CHECK(s->prepare_step(999).ok());
+    std::vector<std::vector<unsigned char>> written(tensors.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      written[i].resize(999 * tensors[i].row_bytes());
+      for (size_t b = 0; b < written[i].size(); ++b) written[i][b] = (unsigned char)((b * 131 + i * 17) >> 3);
+      CHECK(cudaMemcpy(s->binding(i).data, written[i].data(), written[i].size(), cudaMemcpyHostToDevice) ==
+            cudaSuccess);
+    }
+    s->commit_step();
+    CHECK(s->prepare_step(2).ok() && s->capacity() == 2000);  // the growth under test
+    io->memory()->synchronize();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      std::vector<unsigned char> back(written[i].size());
+      CHECK(cudaMemcpy(back.data(), s->binding(i).data, back.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+      CHECK(back == written[i]);
+    }
+    s->abort_step();
+    std::printf("  %s: ok\n", name);
+  }
+}
+#endif
 
 int main() {
   for (auto& [name, fn] : registry()) {
