@@ -1,22 +1,20 @@
 """Attention over the delegate's private storage, as the compiled step runs it.
 
-Two forms. A one-token step over a flat store (decode) needs no mask: its
-query sees every readable row, so it goes to a mask-free fused kernel. Any
-other step (prefill chunks, ring bands) uses an explicit boolean mask. The
-choice is made inside the compiled program (``torch.cond`` on the step width),
-so one program serves both and the decode path never materialises a mask.
+A flat layer's step never builds a mask over its history. Its T queries all
+see the history and the step's first row, so that part goes to a mask-free
+fused kernel that also returns each query's log-sum-exp; the step's other
+T - 1 rows (a strictly lower triangle, T x T at most) are attended directly
+and merged by log-sum-exp. A decode step (T = 1) is then exactly one fused
+kernel over the whole history, which is what the H200's fast kernels need
+(flash attention takes no mask; the masked kernels run at 2-3 % of memory
+bandwidth at 32K context), and one program serves every step width with no
+control flow. Ring layers keep an explicit band mask: their window is small.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-# Which kernel a CUDA decode step with 16-bit storage calls. "sdpa" lets torch
-# pick among its fused kernels at compile time (flash for bf16/fp16 without a
-# mask); "cudnn" calls cuDNN's SDPA directly. Chosen from
-# benchmarks/cuda_attention.py on the H200 (see README).
-CUDA_DECODE_KERNEL = "sdpa"
 
 
 def attention_dtype(storage: torch.dtype, device: torch.device) -> torch.dtype:
@@ -64,40 +62,40 @@ def attend_masked(
     return _unfold_groups(out, q.shape[1], t).to(out_dtype)
 
 
-def attend_unmasked(
-    q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Queries that see every row of the storage: no mask, so fused kernels apply."""
-    q, keys, values = _storage_views(q, k_store, v_store)
-    hkv, t = keys.shape[1], q.shape[2]
-    folded = _fold_groups(q, hkv)
-    if q.device.type == "cuda" and q.dtype != torch.float32 and CUDA_DECODE_KERNEL == "cudnn":
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(folded, keys, values, None, False, scale=scale)[0]
-    else:
-        out = F.scaled_dot_product_attention(folded, keys, values, scale=scale)
-    return _unfold_groups(out, q.shape[1], t).to(out_dtype)
-
-
-def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
-    """Lower-right causal ``[T, S]``: query i (position s - t + i) sees keys up to its own position."""
-    key_pos = torch.arange(s, device=device)
-    query_pos = torch.arange(t, device=device) + (s - t)
-    return key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+def _attend_with_lse(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Unmasked fused attention, and the fp32 log-sum-exp of each query row."""
+    if q.device.type == "cuda":
+        if q.dtype in (torch.bfloat16, torch.float16):  # flash: split-KV, near memory bandwidth
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, scale=scale)[:2]
+            return out, lse
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, None, True,
+                                                                          scale=scale)[:2]
+        return out, lse[..., : q.shape[2]]  # the kernel pads its rows to a multiple of 32
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, scale=scale)
 
 
 def attend_flat(
     q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """A flat layer's step after its write: the last T of the S rows are the step's own."""
-    b, hq, t, _ = q.shape
-    dv = v_store.shape[-1]
+    """A flat layer's step after its write: the last T of the S rows are the step's own.
 
-    # cond's branches must agree on output strides: both return a flat vector.
-    def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attend_unmasked(q, k, v, scale, out_dtype).reshape(-1)
-
-    def chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attend_masked(q, k, v, causal_mask(q.shape[2], k.shape[1], q.device), scale, out_dtype).reshape(-1)
-
-    out = torch.cond(t == 1, decode, chunk, (q, k_store, v_store))
-    return out.view(b, hq, t, dv)
+    Lower-right causal: query i (position S - T + i) sees rows up to S - T + i.
+    """
+    q, keys, values = _storage_views(q, k_store, v_store)
+    _, hq, t, _ = q.shape
+    s, hkv = keys.shape[2], keys.shape[1]
+    folded = _fold_groups(q, hkv)  # row r = g * T + i
+    seen = s - t + 1  # rows every query sees: the history and the step's first row (never empty)
+    out_a, lse_a = _attend_with_lse(folded, keys.narrow(2, 0, seen), values.narrow(2, 0, seen), scale)
+    # The step's remaining T - 1 rows: query i sees row seen + j only when j < i.
+    k_b = keys.narrow(2, seen, t - 1).float()
+    v_b = values.narrow(2, seen, t - 1).float()
+    logits = torch.matmul(folded.float(), k_b.transpose(-1, -2)) * scale  # [1, H_kv, G*T, T-1]
+    i = torch.arange(t, device=q.device).repeat(hq // hkv)
+    j = torch.arange(t - 1, device=q.device)
+    logits = logits.masked_fill(j.unsqueeze(0) >= i.unsqueeze(1), float("-inf"))
+    lse = torch.logaddexp(lse_a, torch.logsumexp(logits, dim=-1))  # lse_a is finite: row `seen - 1` is visible
+    out = out_a.float() * torch.exp(lse_a - lse).unsqueeze(-1) + torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v_b)
+    return _unfold_groups(out, hq, t).to(out_dtype)
