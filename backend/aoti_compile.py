@@ -51,7 +51,8 @@ def _symbolic_wrapper(workdir: str) -> str:
 _SUBPROCESS_COMPILE = """
 import sys, torch
 import executorch.exir.passes.dim_order_ops_registry  # ops edge dialect leaves in the graph
-ep = torch.export.load(sys.argv[1])
+from offgraph_kv.backend.attention import COMPILE_DECOMPOSITIONS
+ep = torch.export.load(sys.argv[1]).run_decompositions(COMPILE_DECOMPOSITIONS)
 args = torch.load(sys.argv[2])
 options = torch.load(sys.argv[3])
 with torch.no_grad():

@@ -62,10 +62,13 @@ def attend_masked(
     return _unfold_groups(out, q.shape[1], t).to(out_dtype)
 
 
-def _attend_with_lse(
+def fused_attention_with_lse(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Unmasked fused attention, and the fp32 log-sum-exp of each query row."""
+    """Unmasked fused attention, and the fp32 log-sum-exp of each query row.
+
+    What ``offgraph_kv::attend_with_lse`` decomposes into at compile time.
+    """
     if q.device.type == "cuda":
         if q.dtype in (torch.bfloat16, torch.float16):  # flash: split-KV, near memory bandwidth
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, scale=scale)[:2]
@@ -74,6 +77,24 @@ def _attend_with_lse(
                                                                           scale=scale)[:2]
         return out, lse[..., : q.shape[2]]  # the kernel pads its rows to a multiple of 32
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, scale=scale)
+
+
+# The kernel choice stays behind one op of our own until compile time: CUDA's
+# flash op also returns SymInts, which torch 2.11's export serialiser cannot
+# write, and the program is serialised to reach the compiling process. That
+# process decomposes the op (see COMPILE_DECOMPOSITIONS) right before AOTI.
+_LIB = torch.library.Library("offgraph_kv", "DEF")
+_LIB.define("attend_with_lse(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
+_LIB.impl("attend_with_lse", fused_attention_with_lse, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("offgraph_kv::attend_with_lse")
+def _attend_with_lse_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):  # noqa: ANN202
+    rows = q.shape[:-1]
+    return q.new_empty((*rows, v.shape[-1])), q.new_empty(rows, dtype=torch.float32)
+
+
+COMPILE_DECOMPOSITIONS = {torch.ops.offgraph_kv.attend_with_lse.default: fused_attention_with_lse}
 
 
 def attend_flat(
@@ -88,7 +109,7 @@ def attend_flat(
     s, hkv = keys.shape[2], keys.shape[1]
     folded = _fold_groups(q, hkv)  # row r = g * T + i
     seen = s - t + 1  # rows every query sees: the history and the step's first row (never empty)
-    out_a, lse_a = _attend_with_lse(folded, keys.narrow(2, 0, seen), values.narrow(2, 0, seen), scale)
+    out_a, lse_a = torch.ops.offgraph_kv.attend_with_lse(folded, keys.narrow(2, 0, seen), values.narrow(2, 0, seen), scale)
     # The step's remaining T - 1 rows: query i sees row seen + j only when j < i.
     k_b = keys.narrow(2, seen, t - 1).float()
     v_b = values.narrow(2, seen, t - 1).float()
