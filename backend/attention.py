@@ -109,7 +109,8 @@ def attend_flat(
     s, hkv = keys.shape[2], keys.shape[1]
     folded = _fold_groups(q, hkv)  # row r = g * T + i
     seen = s - t + 1  # rows every query sees: the history and the step's first row (never empty)
-    out_a, lse_a = torch.ops.offgraph_kv.attend_with_lse(folded, keys.narrow(2, 0, seen), values.narrow(2, 0, seen), scale)
+    out_a, lse_a = torch.ops.offgraph_kv.attend_with_lse(folded, keys.narrow(2, 0, seen), values.narrow(2, 0, seen),
+                                                         scale)
     # The step's remaining T - 1 rows: query i sees row seen + j only when j < i.
     k_b = keys.narrow(2, seen, t - 1).float()
     v_b = values.narrow(2, seen, t - 1).float()
@@ -117,6 +118,8 @@ def attend_flat(
     i = torch.arange(t, device=q.device).repeat(hq // hkv)
     j = torch.arange(t - 1, device=q.device)
     logits = logits.masked_fill(j.unsqueeze(0) >= i.unsqueeze(1), float("-inf"))
-    lse = torch.logaddexp(lse_a, torch.logsumexp(logits, dim=-1))  # lse_a is finite: row `seen - 1` is visible
-    out = out_a.float() * torch.exp(lse_a - lse).unsqueeze(-1) + torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v_b)
+    # lse_a is finite (row seen - 1 is visible to every query), so lse is too.
+    lse = torch.logaddexp(lse_a, torch.logsumexp(logits, dim=-1))
+    out = (out_a.float() * torch.exp(lse_a - lse).unsqueeze(-1)
+           + torch.matmul(torch.exp(logits - lse.unsqueeze(-1)), v_b))
     return _unfold_groups(out, hq, t).to(out_dtype)
