@@ -3,6 +3,7 @@
 # step's output under $OUT (the device tool brings it back). Usage on the device:
 #   bash benchmarks/h200_run.sh tests     # unit tests, growth copy, attention kernels, CUDA pytest, memcheck (~9 min)
 #   bash benchmarks/h200_run.sh cuda      # unit tests, CUDA pytest, memcheck only (~5 min)
+#   bash benchmarks/h200_run.sh growth    # growth copy vs memcpy only (~2 min)
 #   bash benchmarks/h200_run.sh profile   # kernels and GPU-busy time per decode step (4 layers)
 #   bash benchmarks/h200_run.sh bench     # python -m benchmarks.cuda, 32 layers, to 32K tokens
 # (carry .whl: the executorch 1.5.1 cp312 wheel and friends, see h200_setup.sh)
@@ -43,6 +44,9 @@ case "${1:-tests}" in
     grep -E "PASS|FAIL|n/a|Error" "$OUT/bench.txt"
     wait
     grep -E "passed|failed" "$OUT/pytest_bf16.txt" | tail -1
+    ;;
+  growth)
+    python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" 2>&1 | grep -E "PASS|FAIL"
     ;;
   profile)
     timeout $((575 - SECONDS)) python3 -m benchmarks.cuda_profile --layers ${2:-4} --out "$OUT/cuda_profile_h200.json" \

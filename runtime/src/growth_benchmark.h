@@ -10,8 +10,9 @@
 namespace offgraph_kv {
 
 struct GrowthTiming {
-  double seconds = 0;        // mean per growth
-  size_t bytes_copied = 0;   // committed bytes moved per growth
+  double seconds = 0;         // mean per growth, host wall clock (allocation calls, copy, release, one sync)
+  double device_seconds = 0;  // mean per growth on the device stream (CUDA events; 0 on the host)
+  size_t bytes_copied = 0;    // committed bytes moved per growth
 };
 
 // Fills `rows_before` rows of `layers` flat K/V pairs, then grows to
