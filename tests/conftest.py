@@ -6,10 +6,11 @@ AOTInductor compiles take 15-25 s on a 2-core machine, so every distinct
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Sequence, Tuple
 
 import pytest
 import torch
@@ -92,13 +93,20 @@ class Session:
         return out
 
 
-def load_configured(pte_path: Path, **policy: object) -> Session:
-    """Load with a load-time policy (backend options), restoring the defaults after."""
+@contextlib.contextmanager
+def configured(**policy: object) -> Iterator[None]:
+    """A load-time policy (backend options) for the loads inside; the defaults after."""
     offgraph_kv.runtime.configure(**policy)
     try:
-        return Session(pte_path)
+        yield
     finally:
         offgraph_kv.runtime.configure()
+
+
+def load_configured(pte_path: Path, **policy: object) -> Session:
+    """Load with a load-time policy, restoring the defaults after."""
+    with configured(**policy):
+        return Session(pte_path)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Session, greedy, load_configured, prompt
+from conftest import Session, configured, greedy, prompt
 from model import positions
 
 import offgraph_kv.runtime as rt
@@ -32,11 +32,8 @@ def test_host_runner_matches_executorch_runtime_across_growth(pte_factory):
 
 def test_host_runner_rejected_step_raises_and_keeps_the_cache(pte_factory, capfd):
     path = pte_factory(storage_dtype=torch.float32, initial_capacity=8)
-    rt.configure(max_capacity=12)
-    try:
+    with configured(max_capacity=12):
         host = HostMethod(path)
-    finally:
-        rt.configure()
     store = rt.latest_store()
     host.execute([prompt(10), positions(0, 10)])
     with pytest.raises(RuntimeError, match="executing 'forward' failed"):

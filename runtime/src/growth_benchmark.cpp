@@ -12,52 +12,50 @@
 namespace offgraph_kv {
 namespace {
 
-// A pair of CUDA events on one stream (nothing without CUDA or a stream).
+#ifdef OFFGRAPH_KV_WITH_CUDA
+// A pair of CUDA events on one stream; times nothing without a stream.
 class DeviceTimer {
  public:
-  explicit DeviceTimer(void* stream) {
-#ifdef OFFGRAPH_KV_WITH_CUDA
-    stream_ = static_cast<cudaStream_t>(stream);
+  explicit DeviceTimer(void* stream) : stream_(static_cast<cudaStream_t>(stream)) {
     if (stream_ != nullptr && (cudaEventCreate(&start_) != cudaSuccess || cudaEventCreate(&stop_) != cudaSuccess))
       stream_ = nullptr;
-#endif
   }
   ~DeviceTimer() {
-#ifdef OFFGRAPH_KV_WITH_CUDA
     if (start_ != nullptr) cudaEventDestroy(start_);
     if (stop_ != nullptr) cudaEventDestroy(stop_);
-#endif
   }
   DeviceTimer(const DeviceTimer&) = delete;
   DeviceTimer& operator=(const DeviceTimer&) = delete;
   void start() {
-#ifdef OFFGRAPH_KV_WITH_CUDA
     if (stream_ != nullptr) cudaEventRecord(start_, stream_);
-#endif
   }
   void stop() {
-#ifdef OFFGRAPH_KV_WITH_CUDA
     if (stream_ != nullptr) cudaEventRecord(stop_, stream_);
-#endif
   }
   // Seconds between start and stop; waits for stop. 0 without a stream.
   double seconds() {
-#ifdef OFFGRAPH_KV_WITH_CUDA
     float ms = 0;
-    if (stream_ != nullptr && cudaEventSynchronize(stop_) == cudaSuccess &&
-        cudaEventElapsedTime(&ms, start_, stop_) == cudaSuccess)
-      return ms / 1e3;
-#endif
-    return 0;
+    if (stream_ == nullptr || cudaEventSynchronize(stop_) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, start_, stop_) != cudaSuccess)
+      return 0;
+    return ms / 1e3;
   }
 
  private:
-#ifdef OFFGRAPH_KV_WITH_CUDA
   cudaStream_t stream_ = nullptr;
   cudaEvent_t start_ = nullptr;
   cudaEvent_t stop_ = nullptr;
-#endif
 };
+#else
+// Host-only build: nothing runs on a stream.
+class DeviceTimer {
+ public:
+  explicit DeviceTimer(void*) {}
+  void start() {}
+  void stop() {}
+  double seconds() { return 0; }
+};
+#endif
 
 }  // namespace
 

@@ -1,6 +1,4 @@
 #include <cstring>
-#include <string>
-#include <utility>
 
 #include "step_io.h"
 
@@ -33,18 +31,6 @@ class HostStepIO final : public StepIO {
 }  // namespace
 
 std::unique_ptr<StepIO> host_step_io() { return std::make_unique<HostStepIO>(); }
-
-bool parse_copy_mode(const std::string& name, CopyMode* mode) {
-  static const std::pair<const char*, CopyMode> names[] = {
-      {"auto", CopyMode::Auto}, {"kernel", CopyMode::Kernel}, {"batch", CopyMode::Batch}, {"each", CopyMode::EachCall}};
-  for (const auto& [n, m] : names) {
-    if (name == n) {
-      *mode = m;
-      return true;
-    }
-  }
-  return false;
-}
 
 #ifndef OFFGRAPH_KV_WITH_CUDA
 std::unique_ptr<StepIO> cuda_step_io(Status* status, CopyMode) {

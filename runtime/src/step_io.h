@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "compiled_program.h"
 #include "device_memory.h"
@@ -53,7 +54,17 @@ inline void describe_length(void* data, TensorDesc* d) {
 // else one cudaMemcpyBatchAsync. The others stay for side-by-side benchmarks.
 enum class CopyMode { Auto, Kernel, Batch, EachCall };
 // "auto", "kernel", "batch" or "each"; false for anything else.
-bool parse_copy_mode(const std::string& name, CopyMode* mode);
+inline bool parse_copy_mode(const std::string& name, CopyMode* mode) {
+  static const std::pair<const char*, CopyMode> names[] = {
+      {"auto", CopyMode::Auto}, {"kernel", CopyMode::Kernel}, {"batch", CopyMode::Batch}, {"each", CopyMode::EachCall}};
+  for (const auto& [n, m] : names) {
+    if (name == n) {
+      *mode = m;
+      return true;
+    }
+  }
+  return false;
+}
 
 std::unique_ptr<StepIO> host_step_io();
 // nullptr with a message when this build or machine has no CUDA, or when
