@@ -71,6 +71,12 @@ def inductor_cache_dir() -> str:
     return path
 
 
+def symbolic_compile_env(workdir: str) -> dict:
+    """Environment for a fresh process whose AOTInductor compiles link with
+    -Bsymbolic (see ``_symbolic_wrapper``) into our private inductor cache."""
+    return dict(os.environ, CXX=_symbolic_wrapper(workdir), TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir())
+
+
 def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[torch.Tensor], options: dict,
                               workdir: str) -> str:
     """Compile in a process whose inductor starts with the symbolic linker.
@@ -85,9 +91,8 @@ def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[t
     torch.export.save(program, ep_path)
     torch.save(list(example_args), args_path)
     torch.save(options, opt_path)
-    env = dict(os.environ, CXX=_symbolic_wrapper(workdir), TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir())
     done = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, ep_path, args_path, opt_path],
-                          env=env, capture_output=True, text=True)
+                          env=symbolic_compile_env(workdir), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"AOTInductor compile failed:\n{done.stderr[-4000:]}")
     return done.stdout.strip().splitlines()[-1]

@@ -40,7 +40,12 @@ def _fold_groups(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def _unfold_groups(out: torch.Tensor, num_heads: int, t: int) -> torch.Tensor:
-    return out.contiguous().view(out.shape[0], num_heads, t, out.shape[-1])
+    # An explicit dense copy, not .contiguous(): export drops a contiguous() that
+    # is a no-op on the tracing device, but CUDA's efficient kernel (fp32) returns
+    # a head-strided output that the view below cannot take. Inductor fuses the
+    # copy into the kernel that produces ``out``.
+    dense = out.clone(memory_format=torch.contiguous_format)
+    return dense.view(out.shape[0], num_heads, t, out.shape[-1])
 
 
 def _storage_views(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor):  # noqa: ANN202

@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_run.sh growth    # growth copy vs memcpy only (~2 min)
 #   bash benchmarks/h200_run.sh profile   # kernels and GPU-busy time per decode step (4 layers)
 #   bash benchmarks/h200_run.sh bench     # python -m benchmarks.cuda, 32 layers, to 32K tokens
+#   bash benchmarks/h200_run.sh static    # python -m benchmarks.cuda_static: baseline 2 beside offgraph-kv (~7 min)
 # (carry .whl: the executorch 1.5.1 cp312 wheel and friends, see h200_setup.sh)
 set +e
 OUT=${OUT:-/tmp/out}
@@ -44,6 +45,12 @@ case "${1:-tests}" in
     grep -E "PASS|FAIL|n/a|Error" "$OUT/bench.txt"
     wait
     grep -E "passed|failed" "$OUT/pytest_bf16.txt" | tail -1
+    ;;
+  static)
+    export AOTI_RUNTIME_CHECK_INPUTS=0
+    timeout $((580 - SECONDS)) python3 -m benchmarks.cuda_static --workdir /tmp/cuda_static --out "$OUT/cuda_static_h200.json" \
+      ${2:+--layers $2} > "$OUT/static.txt" 2>&1
+    grep -E "PASS|FAIL|n/a|Error|baseline 2:|offgraph-kv" "$OUT/static.txt" | cut -c1-400
     ;;
   growth)
     python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" 2>&1 | grep -E "PASS|FAIL"

@@ -31,13 +31,13 @@ ATTEND_MODES = ("mask", "prefix")
 class StaticCacheAttention(nn.Module):
     """Drop-in for ``model.Attention`` (shares its projection weights)."""
 
-    def __init__(self, att: nn.Module, capacity: int, attend: str) -> None:
+    def __init__(self, att: nn.Module, capacity: int, attend: str, fold_gqa: bool = False) -> None:
         super().__init__()
         if attend not in ATTEND_MODES:
             raise ValueError(f"attend must be one of {ATTEND_MODES}, got {attend!r}")
         self.wq, self.wk, self.wv, self.wo = att.wq, att.wk, att.wv, att.wo
         self.n_heads, self.n_kv_heads, self.head_dim = att.n_heads, att.n_kv_heads, att.head_dim
-        self.capacity, self.attend = int(capacity), attend
+        self.capacity, self.attend, self.fold_gqa = int(capacity), attend, fold_gqa
         dtype = att.wk.weight.dtype
         self.register_buffer("k_cache", torch.zeros(1, capacity, att.n_kv_heads, att.head_dim, dtype=dtype))
         self.register_buffer("v_cache", torch.zeros(1, capacity, att.n_kv_heads, att.head_dim, dtype=dtype))
@@ -64,16 +64,26 @@ class StaticCacheAttention(nn.Module):
             keys, values = self.k_cache, self.v_cache
             key_pos = torch.arange(self.capacity, device=x.device)
         mask = key_pos.view(1, -1) <= input_pos  # [T, L]: lower-right causal, rows past pos masked
-        out = F.scaled_dot_product_attention(
-            q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-            scale=1.0 / math.sqrt(self.head_dim), enable_gqa=True,
-        )
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if self.fold_gqa:
+            # CUDA: a masked SDPA with enable_gqa falls back to the math kernel,
+            # which repeats K/V per query head; folding each group's queries onto
+            # the query axis keeps it on the memory-efficient kernel.
+            g = self.n_heads // self.n_kv_heads
+            qf = q.reshape(b, self.n_kv_heads, g * t, self.head_dim)
+            out = F.scaled_dot_product_attention(
+                qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask.repeat(g, 1), scale=scale,
+            ).unflatten(2, (g, -1)).flatten(1, 2)  # (a view() here trips export's symbolic stride check)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True,
+            )
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
-def static_cache_model(model: nn.Module, capacity: int, attend: str) -> nn.Module:
+def static_cache_model(model: nn.Module, capacity: int, attend: str, fold_gqa: bool = False) -> nn.Module:
     """A copy of ``model`` (a ``model.Transformer``) whose layers own static KV buffers."""
     out = copy.deepcopy(model)
     for block in out.layers:
-        block.attention = StaticCacheAttention(block.attention, capacity, attend)
+        block.attention = StaticCacheAttention(block.attention, capacity, attend, fold_gqa)
     return out.eval()
