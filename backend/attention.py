@@ -1,14 +1,22 @@
 """Attention over the delegate's private storage, as the compiled step runs it.
 
-A flat layer's step never builds a mask over its history. Its T queries all
-see the history and the step's first row, so that part goes to a mask-free
-fused kernel that also returns each query's log-sum-exp; the step's other
-T - 1 rows (a strictly lower triangle, T x T at most) are attended directly
-and merged by log-sum-exp. A decode step (T = 1) is then exactly one fused
-kernel over the whole history, which is what the H200's fast kernels need
-(flash attention takes no mask; the masked kernels run at 2-3 % of memory
-bandwidth at 32K context), and one program serves every step width with no
-control flow. Ring layers keep an explicit band mask: their window is small.
+A flat layer's step never builds a mask over its history:
+
+- CUDA, 16-bit storage: one flash-attention call over all S rows with flash's
+  own causal flag, which the kernel aligns lower-right when T < S (query i
+  sees rows up to S - T + i) and drops for a one-token step. A decode step is
+  one split-KV kernel per layer over K/V in the store's own layout, GQA
+  native: no copy of the queries, nothing after the kernel.
+- CPU, and CUDA fp32 (this op's fp32 kernel, efficient attention, aligns its
+  causal mask upper-left): the T queries all see the history and the step's
+  first row, so that part goes to a mask-free fused kernel that also returns
+  each query's log-sum-exp; the step's other T - 1 rows (a strictly lower
+  triangle, T x T at most) are attended directly and merged by log-sum-exp.
+  A decode step is one fused kernel over the whole history plus that merge.
+
+Either way one program serves every step width with no control flow; the
+masked kernels would run at 2-3 % of memory bandwidth at 32K context on the
+H200. Ring layers keep an explicit band mask: their window is small.
 """
 
 from __future__ import annotations
@@ -99,7 +107,34 @@ def _attend_with_lse_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return q.new_empty((*rows, v.shape[-1])), q.new_empty(rows, dtype=torch.float32)
 
 
-COMPILE_DECOMPOSITIONS = {torch.ops.offgraph_kv.attend_with_lse.default: fused_attention_with_lse}
+def flash_lower_right_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """CUDA flash attention, 16-bit, GQA native (no repeated K/V), causal aligned lower-right.
+
+    What ``offgraph_kv::attend_causal`` decomposes into at compile time.
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, is_causal=True, scale=scale)[0]
+
+
+_LIB.define("attend_causal(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+_LIB.impl("attend_causal", flash_lower_right_causal, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("offgraph_kv::attend_causal")
+def _attend_causal_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    # Flash's own output layout ([B, T, H, D] seen as [B, H, T, D]), so the
+    # traced program reshapes it for the output projection without a copy.
+    b, h, t, _ = q.shape
+    return q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+
+
+COMPILE_DECOMPOSITIONS = {
+    torch.ops.offgraph_kv.attend_with_lse.default: fused_attention_with_lse,
+    torch.ops.offgraph_kv.attend_causal.default: flash_lower_right_causal,
+}
+
+
+def _flash_causal_applies(q: torch.Tensor) -> bool:
+    return q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def attend_flat(
@@ -110,6 +145,8 @@ def attend_flat(
     Lower-right causal: query i (position S - T + i) sees rows up to S - T + i.
     """
     q, keys, values = _storage_views(q, k_store, v_store)
+    if _flash_causal_applies(q):
+        return torch.ops.offgraph_kv.attend_causal(q, keys, values, scale).to(out_dtype)
     _, hq, t, _ = q.shape
     s, hkv = keys.shape[2], keys.shape[1]
     folded = _fold_groups(q, hkv)  # row r = g * T + i
