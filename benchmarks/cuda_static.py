@@ -45,7 +45,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from benchmarks.cuda import MAX_WRITE, SHAPE, SMALL, Runner, build, device_used, save, verdict
+from benchmarks.cuda import MAX_WRITE, SHAPE, SMALL, Runner, _finish, build, label_axes, device_used, save, verdict
 
 # Library attention kernels (flash, cutlass fmha, cuDNN); inductor's own triton
 # kernels that carry an SDPA op in their fused name are preparation, not attention.
@@ -299,6 +299,31 @@ def run(a: argparse.Namespace) -> Dict[str, object]:
     return result
 
 
+def plot(result: Dict[str, object], path: Path) -> str:
+    """Decode ms/token and device memory vs context, offgraph-kv beside baseline 2 (one PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = result["model"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for key, label, style in (("offgraph", "offgraph-kv", "o-"), ("static", "baseline 2: static KV, same AOTI path", "s--")):
+        rows = result.get(key, {}).get("contexts", {})
+        ctxs = sorted(int(c) for c in rows)
+        if not ctxs:
+            continue
+        left.plot(ctxs, [rows[str(c)]["decode_ms"] for c in ctxs], style, label=label)
+        used = [rows[str(c)]["device_used"] for c in ctxs]
+        if all(u is not None for u in used):
+            right.plot(ctxs, [u / MIB for u in used], style, label=label)
+    sub = (f"{result['device']}, {result['date'][:10]}; {m['n_layers']} layers, {m['n_kv_heads']} KV heads x "
+           f"{m['attention_head_dim']}, bf16, capacity {result['capacity']}")
+    label_axes(left, "context (tokens in the cache)", "decode ms/token", f"Decode\n{sub}")
+    return _finish(fig, right, "context (tokens in the cache)", "device memory used since before load (MiB)",
+                   f"Memory\n{sub}", str(path))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -309,6 +334,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per context")
     p.add_argument("--workdir", default="/tmp/offgraph_cuda_static")
     p.add_argument("--out")
+    p.add_argument("--plot", help="only draw the PNG of an existing result JSON")
     p.add_argument("--build-static", help=argparse.SUPPRESS)  # the child process: build baseline 2 there
     p.add_argument("--shape", help=argparse.SUPPRESS)  # the model shape, JSON, for the child
     a = p.parse_args(argv)
@@ -316,10 +342,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         info = build_static(json.loads(a.shape), a.capacity, Path(a.build_static), a.device)
         Path(a.build_static + ".build.json").write_text(json.dumps(info, indent=2))
         return 0
+    if a.plot:
+        print(plot(json.loads(Path(a.plot).read_text()), Path(a.plot).with_suffix(".png")))
+        return 0
     os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "0")
     result = run(a)
     print("\n".join(result["targets"]))
     save(result, a.out)
+    if a.out:
+        print(plot(result, Path(a.out).with_suffix(".png")))
     return 0
 
 
