@@ -325,7 +325,7 @@ def label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:  # noqa: ANN00
     ax.legend(fontsize=8)
 
 
-def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:  # noqa: ANN001
+def finish_plot(fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:  # noqa: ANN001
     import matplotlib.pyplot as plt
 
     label_axes(ax, xlabel, ylabel, title)
@@ -348,7 +348,7 @@ def plot(result: Dict[str, object], stem: Path) -> List[str]:
     fig, ax = plt.subplots(figsize=(9, 5))
     xs, ys = zip(*g["step_ms_rolling"])
     ax.plot(xs, ys, color="tab:blue", label="offgraph-kv decode (median of 32 steps)")
-    decode_png = _finish(fig, ax, "context (tokens already in the cache)", "ms/token",
+    decode_png = finish_plot(fig, ax, "context (tokens already in the cache)", "ms/token",
                          f"Decode time vs context\n{sub}", f"{stem}_decode.png")
 
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -359,7 +359,7 @@ def plot(result: Dict[str, object], stem: Path) -> List[str]:
     if all(d is not None for d in dev):
         ax.plot(toks, [d / MIB for d in dev], "s-", label="device memory used since before load")
     ax.plot([0, toks[-1]], [0, bpt * toks[-1] / MIB], "k:", label="bytes/token x length")
-    memory_png = _finish(fig, ax, "generated tokens", "MiB", f"Memory vs generated tokens\n{sub}",
+    memory_png = finish_plot(fig, ax, "generated tokens", "MiB", f"Memory vs generated tokens\n{sub}",
                          f"{stem}_memory.png")
     return [decode_png, memory_png]
 

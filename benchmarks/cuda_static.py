@@ -2,7 +2,7 @@
 buffers of the full capacity, through the same AOTInductor path, side by side
 with offgraph-kv in one run.
 
-    python -m benchmarks.cuda_static --layers 32 --out benchmarks/results/cuda_static_h200.json
+    python -m benchmarks.cuda_static --layers 16 --out benchmarks/results/cuda_static_h200.json
 
 Both programs come from the same weights (``benchmarks.cuda.SHAPE``, bf16):
 
@@ -11,7 +11,8 @@ Both programs come from the same weights (``benchmarks.cuda.SHAPE``, bf16):
 - **baseline 2, static-mask**: ``benchmarks/static_cache.py`` with capacity
   ``--capacity`` (K/V buffers ``[1, C, H_kv, D]`` written with ``index_copy_``,
   attention over the whole capacity under a causal mask, GQA folded onto the
-  query axis so the masked SDPA stays on the memory-efficient kernel), compiled
+  query axis so the masked SDPA stays on a fused kernel, cuDNN on the H200,
+  instead of the math kernel's repeated K/V), compiled
   by ``torch._inductor.aot_compile`` for CUDA in a fresh process (the same
   -Bsymbolic linker as the backend) and run by torch's AOTI CUDA runner.
 
@@ -45,7 +46,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from benchmarks.cuda import MAX_WRITE, SHAPE, SMALL, Runner, _finish, build, label_axes, device_used, save, verdict
+from benchmarks.cuda import MAX_WRITE, SHAPE, SMALL, Runner, build, device_used, finish_plot, label_axes, save, verdict
 
 # Library attention kernels (flash, cutlass fmha, cuDNN); inductor's own triton
 # kernels that carry an SDPA op in their fused name are preparation, not attention.
@@ -83,8 +84,8 @@ def start_static_build(shape: Dict[str, int], capacity: int, out: Path, device: 
 
     cmd = [sys.executable, "-m", "benchmarks.cuda_static", "--build-static", str(out), "--device", device,
            "--shape", json.dumps(shape), "--capacity", str(capacity)]
-    log = open(str(out) + ".log", "w")
-    return subprocess.Popen(cmd, env=symbolic_compile_env(str(out.parent)), stdout=log, stderr=subprocess.STDOUT)
+    with open(str(out) + ".log", "w") as log:  # the child keeps its own copy of the handle
+        return subprocess.Popen(cmd, env=symbolic_compile_env(str(out.parent)), stdout=log, stderr=subprocess.STDOUT)
 
 
 class StaticRunner:
@@ -308,7 +309,8 @@ def plot(result: Dict[str, object], path: Path) -> str:
 
     m = result["model"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for key, label, style in (("offgraph", "offgraph-kv", "o-"), ("static", "baseline 2: static KV, same AOTI path", "s--")):
+    series = (("offgraph", "offgraph-kv", "o-"), ("static", "baseline 2: static KV, same AOTI path", "s--"))
+    for key, label, style in series:
         rows = result.get(key, {}).get("contexts", {})
         ctxs = sorted(int(c) for c in rows)
         if not ctxs:
@@ -320,7 +322,7 @@ def plot(result: Dict[str, object], path: Path) -> str:
     sub = (f"{result['device']}, {result['date'][:10]}; {m['n_layers']} layers, {m['n_kv_heads']} KV heads x "
            f"{m['attention_head_dim']}, bf16, capacity {result['capacity']}")
     label_axes(left, "context (tokens in the cache)", "decode ms/token", f"Decode\n{sub}")
-    return _finish(fig, right, "context (tokens in the cache)", "device memory used since before load (MiB)",
+    return finish_plot(fig, right, "context (tokens in the cache)", "device memory used since before load (MiB)",
                    f"Memory\n{sub}", str(path))
 
 

@@ -68,7 +68,7 @@ class StaticCacheAttention(nn.Module):
         if self.fold_gqa:
             # CUDA: a masked SDPA with enable_gqa falls back to the math kernel,
             # which repeats K/V per query head; folding each group's queries onto
-            # the query axis keeps it on the memory-efficient kernel.
+            # the query axis keeps it on a fused kernel (cuDNN on the H200).
             g = self.n_heads // self.n_kv_heads
             qf = q.reshape(b, self.n_kv_heads, g * t, self.head_dim)
             out = F.scaled_dot_product_attention(
