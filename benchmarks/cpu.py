@@ -20,8 +20,10 @@ vocab 512, fp32 weights, fp32 KV):
 Every program is built once (two builds at a time), then measured alone in a
 fresh process (``measure.py``): RSS added by load and after 200 / 2000 tokens,
 decode ms/token at context 200 / 2000 / 4000 (median of 50 steps), prefill
-tokens/s for a 512-token prompt, offgraph growths and their time share. The
-run prints a table and PASS/FAIL per target (it does not assert) and writes
+tokens/s for a 512-token prompt, offgraph growths and their time share. Then
+the offgraph-kv programs of every capacity decode in turns in one process
+(``interleaved.py``), which is what the capacity-independence target is judged
+on. The run prints a table and PASS/FAIL per target (it does not assert) and writes
 ``cpu.json``, ``cpu_memory.png``, ``cpu_decode.png`` and ``cpu_summary.md``.
 """
 
@@ -203,6 +205,23 @@ def measure_all(order: List[str], builds: Dict[str, dict], workdir: Path, a: arg
     return runs, failed
 
 
+def measure_interleaved(builds: Dict[str, dict], workdir: Path, a: argparse.Namespace) -> Optional[dict]:
+    """The offgraph-kv capacity variants decoded in turns in one process (``interleaved.py``)."""
+    og = sorted((b for b in builds.values() if b["kind"] == "offgraph"), key=lambda b: b["capacity"])
+    if len(og) < 2:
+        return None
+    out, log = workdir / "interleaved.json", workdir / "interleaved.log"
+    cmd = [sys.executable, "-m", "benchmarks.interleaved", "--threads", str(a.threads),
+           "--max-write", str(a.max_write), "--out", str(out)]
+    for b in og:
+        cmd += ["--artifact", f"{b['capacity']}={b['path']}"]
+    print("decoding the offgraph-kv capacities in turns in one process ...", file=sys.stderr, flush=True)
+    rc = _run(cmd, log, _env(workdir, a.threads))
+    if rc != 0 or not out.is_file():
+        return {"error": f"rc {rc}:\n{_tail(log)}"}
+    return json.loads(out.read_text())
+
+
 def check_same_model(runs: Dict[str, dict]) -> Dict[str, dict]:
     """Largest logit gap of every program to the offgraph program of the largest capacity, per checked step."""
     og = report.by_kind(runs, "offgraph")
@@ -259,14 +278,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     caps = sorted(set(a.capacities) | set(a.stock_capacities) | set(a.offgraph_capacities))
     order = [report.name(k, c) for c in caps for k in ("stock", "static-mask", "static-prefix", "offgraph")]
     runs, measure_failed = measure_all(order, builds, workdir, a)
+    interleaved = measure_interleaved(builds, workdir, a)
     not_done = {**build_failed, **measure_failed}
+    if interleaved and "error" in interleaved:
+        not_done["interleaved"] = interleaved["error"]
 
     src_after = source_state()
     if src_after != src_before:
         not_done["source"] = (f"the code under test changed during the run (commit {src_before['commit'][:10]} -> "
                               f"{src_after['commit'][:10]}, dirty {src_before['dirty']} -> {src_after['dirty']}): "
                               "programs may come from different versions; run again")
-    ts = report.targets(runs, builds, bpt, a.decode_tolerance, a.rss_tolerance_mib)
+    ts = report.targets(runs, builds, bpt, a.decode_tolerance, a.rss_tolerance_mib, interleaved)
     rts = report.ratios(runs)
     same = check_same_model(runs)
     wall = time.perf_counter() - wall0
@@ -325,6 +347,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "builds": builds,
         "runs": slim_runs,
         "same_model_check": same,
+        "interleaved_decode": interleaved,
         "targets": ts,
         "ratios": rts,
         "contention_others_busy": contention,
