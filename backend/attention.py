@@ -78,24 +78,22 @@ def attend_masked(
 def fused_attention_with_lse(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Unmasked fused attention, and the fp32 log-sum-exp of each query row.
+    """Unmasked fused attention, and the fp32 log-sum-exp of each query row
+    (CPU, and CUDA fp32; CUDA 16-bit steps take ``flash_lower_right_causal``).
 
     What ``offgraph_kv::attend_with_lse`` decomposes into at compile time.
     """
     if q.device.type == "cuda":
-        if q.dtype in (torch.bfloat16, torch.float16):  # flash: split-KV, near memory bandwidth
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, scale=scale)[:2]
-            return out, lse
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, None, True,
                                                                           scale=scale)[:2]
         return out, lse[..., : q.shape[2]]  # the kernel pads its rows to a multiple of 32
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, scale=scale)
 
 
-# The kernel choice stays behind one op of our own until compile time: CUDA's
+# The kernel choice stays behind ops of our own until compile time: CUDA's
 # flash op also returns SymInts, which torch 2.11's export serialiser cannot
 # write, and the program is serialised to reach the compiling process. That
-# process decomposes the op (see COMPILE_DECOMPOSITIONS) right before AOTI.
+# process decomposes the ops (see COMPILE_DECOMPOSITIONS) right before AOTI.
 _LIB = torch.library.Library("offgraph_kv", "DEF")
 _LIB.define("attend_with_lse(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
 _LIB.impl("attend_with_lse", fused_attention_with_lse, "CompositeExplicitAutograd")
@@ -133,10 +131,6 @@ COMPILE_DECOMPOSITIONS = {
 }
 
 
-def _flash_causal_applies(q: torch.Tensor) -> bool:
-    return q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16)
-
-
 def attend_flat(
     q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -145,7 +139,7 @@ def attend_flat(
     Lower-right causal: query i (position S - T + i) sees rows up to S - T + i.
     """
     q, keys, values = _storage_views(q, k_store, v_store)
-    if _flash_causal_applies(q):
+    if q.dtype != torch.float32:  # 16-bit attention: CUDA only (attention_dtype)
         return torch.ops.offgraph_kv.attend_causal(q, keys, values, scale).to(out_dtype)
     _, hq, t, _ = q.shape
     s, hkv = keys.shape[2], keys.shape[1]
