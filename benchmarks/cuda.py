@@ -313,7 +313,8 @@ def targets(r: Dict[str, object]) -> List[str]:
                          f"{row['torch_best']}, {100 * best:.0f} %")
     for row in r.get("growth_copy", {}).get("kernel", []):
         lines.append(f"{verdict(row['ratio'] >= 0.9)}  growth copy {row['bytes_copied'] / MIB:.0f} MiB: "
-                     f"{row['ratio']:.2f} of memcpy bandwidth (>= 0.90)")
+                     f"{row['ratio']:.2f} of one memcpy's bandwidth (>= 0.90); {row['ratio_vs_back_to_back']:.2f} of "
+                     f"back-to-back memcpy; whole growth with fresh memory {row['growth_ratio']:.2f}")
     return lines
 
 

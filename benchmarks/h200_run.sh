@@ -2,7 +2,7 @@
 # Everything the H200 evidence needs, in the order of what matters most, each
 # step's output under $OUT (the device tool brings it back). Usage on the device:
 #   bash benchmarks/h200_run.sh tests     # unit tests, growth copy, attention kernels, CUDA pytest, memcheck (~9 min)
-#   bash benchmarks/h200_run.sh cuda      # unit tests, CUDA pytest, memcheck only (~5 min)
+#   bash benchmarks/h200_run.sh cuda      # unit tests, growth copy, CUDA pytest, memcheck (~6 min)
 #   bash benchmarks/h200_run.sh growth    # growth copy vs memcpy only (~2 min)
 #   bash benchmarks/h200_run.sh profile   # kernels and GPU-busy time per decode step (4 layers)
 #   bash benchmarks/h200_run.sh bench     # python -m benchmarks.cuda, 32 layers, to 32K tokens
@@ -19,9 +19,10 @@ case "${1:-tests}" in
     build/cuda/site/offgraph_kv/runtime/bin/offgraph_kv_unit_tests > "$OUT/unit.txt" 2>&1; tail -1 "$OUT/unit.txt"
     grep -E "^  |FAIL" "$OUT/unit.txt"
     tests="tests/test_cuda.py"
+    python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1
+    grep -E "PASS|FAIL|grid|Error" "$OUT/growth.txt" | cut -c1-230
     if [ "$1" = tests ]; then
     tests="$tests tests/test_host_runner.py"
-    python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" 2>&1 | grep -E "PASS|FAIL"
     python3 -m benchmarks.cuda_attention --out "$OUT/cuda_attention_h200.json" > "$OUT/attention.txt" 2>&1
     grep -E " 32768 | 8192 " "$OUT/attention.txt"
     fi
@@ -53,7 +54,8 @@ case "${1:-tests}" in
     grep -E "PASS|FAIL|n/a|Error|baseline 2:|offgraph-kv" "$OUT/static.txt" | cut -c1-400
     ;;
   growth)
-    python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" 2>&1 | grep -E "PASS|FAIL"
+    python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1
+    grep -E "PASS|FAIL|grid|Error" "$OUT/growth.txt" | cut -c1-230
     ;;
   profile)
     timeout $((575 - SECONDS)) python3 -m benchmarks.cuda_profile --layers ${2:-4} --out "$OUT/cuda_profile_h200.json" \

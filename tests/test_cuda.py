@@ -86,5 +86,6 @@ def test_cuda_growth_copy_runs_at_memcpy_speed():
     end.record()
     end.synchronize()
     memcpy = start.elapsed_time(end) / 5 / 1e3
-    # Growth also allocates; it must stay within 2x of the bare copy at this size.
-    assert t["seconds"] < 2 * memcpy + 1e-3, (t, memcpy)
+    # A gross-regression guard (a per-row or per-layer fallback is several times
+    # slower); the bandwidth itself is benchmarks/cuda_growth.py's to report.
+    assert t["copy_device_seconds"] < 2 * memcpy, (t, memcpy)

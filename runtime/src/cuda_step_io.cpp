@@ -1,5 +1,5 @@
 // CUDA storage and step I/O. Everything is ordered on one execution stream:
-// allocation (cudaMallocAsync), growth copies, frees (cudaFreeAsync, so nothing
+// allocation (cudaMallocFromPoolAsync / cudaMallocAsync), growth copies, frees (cudaFreeAsync, so nothing
 // is released while a kernel that reads it may still be queued), input staging
 // and the output copy, after which the only host synchronisation of a step waits.
 #include <cuda_runtime.h>
@@ -18,21 +18,42 @@ std::string cuda_error(const char* what, cudaError_t e) {
   return std::string(what) + ": " + cudaGetErrorString(e);
 }
 
-// Owns the execution stream: KV buffers release through it, and a store may
-// outlive the step I/O that made it, so the stream lives as long as the last
-// buffer (a free on a destroyed stream fails and leaves a CUDA error behind
-// that torch's next launch check then reports as its own).
-class CudaStreamMemory final : public DeviceMemory {
+// The execution stream. Shared by the memories that release through it: a
+// store may outlive the step I/O that made it, so the stream lives as long as
+// the last buffer (a free on a destroyed stream fails and leaves a CUDA error
+// behind that torch's next launch check then reports as its own).
+class CudaStream {
  public:
-  CudaStreamMemory(cudaStream_t stream, CopyMode copies) : stream_(stream), copies_(copies) {}
-  ~CudaStreamMemory() override {
+  explicit CudaStream(cudaStream_t s) : stream_(s) {}
+  ~CudaStream() {
     cudaStreamSynchronize(stream_);  // queued frees and copies complete first
     cudaStreamDestroy(stream_);
     cudaGetLastError();
   }
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_;
+};
+
+// Stream-ordered device memory from `pool` (nullptr: the device's default pool).
+class CudaStreamMemory final : public DeviceMemory {
+ public:
+  CudaStreamMemory(std::shared_ptr<CudaStream> stream, CopyMode copies, cudaMemPool_t pool)
+      : owner_(std::move(stream)), stream_(owner_->get()), copies_(copies), pool_(pool) {}
+  ~CudaStreamMemory() override {
+    // Every buffer holds this object, so none is left; wait for their frees.
+    cudaStreamSynchronize(stream_);
+    if (pool_ != nullptr) cudaMemPoolDestroy(pool_);
+    cudaGetLastError();
+  }
   void* allocate(size_t bytes) override {
     void* p = nullptr;
-    if (cudaMallocAsync(&p, bytes, stream_) == cudaSuccess) return p;
+    const cudaError_t e =
+        pool_ != nullptr ? cudaMallocFromPoolAsync(&p, bytes, pool_, stream_) : cudaMallocAsync(&p, bytes, stream_);
+    if (e == cudaSuccess) return p;
     cudaGetLastError();  // reported through the store's status, not left for torch to find
     return nullptr;
   }
@@ -70,11 +91,19 @@ class CudaStreamMemory final : public DeviceMemory {
   }
   void zero(void* dst, size_t bytes) override { cudaMemsetAsync(dst, 0, bytes, stream_); }
   void synchronize() override { cudaStreamSynchronize(stream_); }
+  void return_unused() override {
+    if (pool_ == nullptr) return;  // the default pool is shared with the process: not ours to trim
+    cudaStreamSynchronize(stream_);  // queued frees must have happened to be returned
+    cudaMemPoolTrimTo(pool_, 0);     // keeps what live buffers use
+    cudaGetLastError();
+  }
   const char* name() const override { return "cuda"; }
 
  private:
+  std::shared_ptr<CudaStream> owner_;
   cudaStream_t stream_;
   CopyMode copies_;
+  cudaMemPool_t pool_;
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<size_t> sizes_;
@@ -94,24 +123,37 @@ class CudaStepIO final : public StepIO {
       *status = Status(Error::NotSupported, cuda_error("no usable CUDA device", e));
       return nullptr;
     }
-    // From here the memory object owns the stream (stream_ is a borrowed handle).
-    io->memory_ = std::make_shared<CudaStreamMemory>(io->stream_, copies);
+    auto stream = std::make_shared<CudaStream>(io->stream_);  // owns it from here
+    // KV arenas come from a pool of their own, which keeps freed blocks until
+    // the store returns them after a growth (return_unused): a growth's new
+    // arena is larger than any freed one, so a kept old arena would only be
+    // memory that no longer follows the context. Small step buffers use the
+    // default pool, so they never pin an old arena's memory.
+    int device = 0;
+    cudaMemPool_t pool = nullptr;
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.handleTypes = cudaMemHandleTypeNone;
+    props.location.type = cudaMemLocationTypeDevice;
+    if ((e = cudaGetDevice(&device)) == cudaSuccess) {
+      props.location.id = device;
+      e = cudaMemPoolCreate(&pool, &props);
+    }
+    if (e != cudaSuccess) {
+      *status = Status(Error::NotSupported, cuda_error("cannot create the KV memory pool", e));
+      return nullptr;
+    }
+    uint64_t keep = UINT64_MAX;  // no release at every synchronisation: only after a growth
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    io->memory_ = std::make_shared<CudaStreamMemory>(stream, copies, pool);
+    io->staging_ = std::make_shared<CudaStreamMemory>(stream, copies, nullptr);
     // Pinned, so the per-step length upload is a true async copy.
     e = cudaMallocHost(reinterpret_cast<void**>(&io->length_host_), sizeof(int64_t));
     if (e != cudaSuccess) {
       *status = Status(Error::MemoryAllocationFailed, cuda_error("cudaMallocHost", e));
       return nullptr;
     }
-    // Keep freed blocks in the stream-ordered pool: growth then reuses them
-    // instead of mapping fresh pages (the default threshold returns memory to
-    // the driver at every synchronisation).
-    int device = 0;
-    cudaMemPool_t pool = nullptr;
-    if (cudaGetDevice(&device) == cudaSuccess && cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
-      uint64_t keep = UINT64_MAX;
-      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
-    }
-    io->length_device_ = allocate_buffer(io->memory_, sizeof(int64_t));
+    io->length_device_ = allocate_buffer(io->staging_, sizeof(int64_t));
     *status = Status::ok_status();
     return io;
   }
@@ -119,7 +161,7 @@ class CudaStepIO final : public StepIO {
   ~CudaStepIO() override {
     staged_.clear();
     length_device_.reset();
-    if (memory_ != nullptr) memory_->synchronize();  // the pinned length upload is done
+    if (staging_ != nullptr) staging_->synchronize();  // the pinned length upload is done
     if (length_host_ != nullptr) cudaFreeHost(length_host_);
   }
 
@@ -128,7 +170,7 @@ class CudaStepIO final : public StepIO {
     Buffer& buf = staged_[index];
     const size_t bytes = t.nbytes();
     if (buf.bytes() < bytes) {
-      buf = allocate_buffer(memory_, bytes < 256 ? 256 : bytes * 2);  // headroom: prefill widths vary
+      buf = allocate_buffer(staging_, bytes < 256 ? 256 : bytes * 2);  // headroom: prefill widths vary
       if (buf.data() == nullptr)
         return Status(Error::MemoryAllocationFailed, "cannot stage input " + std::to_string(index) + " on the device");
     }
@@ -165,9 +207,10 @@ class CudaStepIO final : public StepIO {
 
  private:
   CudaStepIO() = default;
-  cudaStream_t stream_ = nullptr;  // owned by memory_
+  cudaStream_t stream_ = nullptr;  // owned by the memories' CudaStream
   int64_t* length_host_ = nullptr;
-  std::shared_ptr<DeviceMemory> memory_;
+  std::shared_ptr<DeviceMemory> memory_;   // KV storage: its own pool
+  std::shared_ptr<DeviceMemory> staging_;  // inputs and the length: the default pool
   Buffer length_device_;
   std::vector<Buffer> staged_;
 };
@@ -180,6 +223,8 @@ std::unique_ptr<StepIO> cuda_step_io(Status* status, CopyMode copies) { return C
 // Built without nvcc: the driver's batched copies stand in for the kernel.
 bool segment_copy_available() { return false; }
 cudaError_t segment_copy(const std::vector<CopyOp>&, cudaStream_t) { return cudaErrorNotSupported; }
+int set_segment_copy_blocks_per_sm(int) { return 0; }
+int segment_copy_resident_blocks_per_sm() { return 0; }
 #endif
 
 }  // namespace offgraph_kv

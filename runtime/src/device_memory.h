@@ -30,6 +30,11 @@ class DeviceMemory {
   virtual void zero(void* dst, size_t bytes) = 0;
   // Wait until queued work (copies, frees) is done; host memory has none.
   virtual void synchronize() {}
+  // Hand memory that no live buffer holds back to the system (waiting for
+  // queued frees first). The store calls it once the step after a growth has
+  // completed, so device memory follows the arena in use rather than keeping
+  // every arena it ever had. Host memory is freed at once: nothing to do.
+  virtual void return_unused() {}
   virtual const char* name() const = 0;
 };
 

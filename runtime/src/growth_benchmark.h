@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <string>
+#include <utility>
 
 #include "status.h"
 
@@ -12,14 +13,22 @@ namespace offgraph_kv {
 struct GrowthTiming {
   double seconds = 0;         // mean per growth, host wall clock (allocation calls, copy, release, one sync)
   double device_seconds = 0;  // mean per growth on the device stream (CUDA events; 0 on the host)
+  double copy_device_seconds = 0;  // mean of the copy alone (the one batch of copies), CUDA events
   size_t bytes_copied = 0;    // committed bytes moved per growth
 };
 
 // Fills `rows_before` rows of `layers` flat K/V pairs, then grows to
-// `rows_after`, `repeats` times (each on a fresh store). `copy_mode` (see
+// `rows_after`, `repeats` times (each on a fresh store, whose memory holds
+// only its arena before the growth, as after any completed step: the new
+// arena's memory is fresh, as in real use). `copy_mode` (see
 // CopyMode: "auto", "kernel", "batch", "each") picks how CUDA submits the copies.
 Status time_growth(const std::string& device, size_t layers, size_t heads, size_t head_dim, int dtype,
                    size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode,
                    GrowthTiming* out);
+
+// Benchmark hook: blocks per multiprocessor of the growth copy kernel (0: the
+// default), process-wide. Returns {the value in effect, how many blocks of the
+// kernel fit on one multiprocessor}; {0, 0} when this build has no kernel.
+std::pair<int, int> set_copy_kernel_grid(int blocks_per_sm);
 
 }  // namespace offgraph_kv

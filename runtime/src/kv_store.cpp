@@ -129,6 +129,7 @@ Status KVStore::resize_flat(size_t new_capacity, size_t rows_to_keep) {
     memory_->copy_many(copies);
   }
   allocated_ -= flat_arena_.bytes();
+  released_arena_ = released_arena_ || flat_arena_.data() != nullptr;
   flat_arena_ = std::move(fresh);  // the old arena's release is ordered after the copy
   flat_offset_ = std::move(offsets);
   capacity_ = new_capacity;
@@ -166,6 +167,15 @@ void KVStore::commit_step() {
   if (pending_ != 0) ++steps_;
   length_ += pending_;
   pending_ = 0;
+  return_released_memory();
+}
+
+void KVStore::return_released_memory() {
+  // Only after a growth: the old arena's release was queued behind the copy,
+  // and the step that followed has completed, so nothing still reads it.
+  if (!released_arena_) return;
+  memory_->return_unused();
+  released_arena_ = false;
 }
 
 void KVStore::abort_step() { pending_ = 0; }
@@ -188,6 +198,7 @@ Status KVStore::reset(bool release_memory) {
     if (!s.ok()) return s;
     peak_ = allocated_;
     growths_ = 0;
+    return_released_memory();
   }
   return Status::ok_status();
 }

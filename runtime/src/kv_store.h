@@ -76,7 +76,8 @@ class KVStore {
 
   // Check the step and make room for it; nothing committed changes on failure.
   Status prepare_step(size_t width);
-  // Make the prepared step's rows part of the history.
+  // Make the prepared step's rows part of the history; after a growth, give
+  // the old arena's memory back (call it once the step's work has completed).
   void commit_step();
   // Forget the prepared step (its rows were never committed).
   void abort_step();
@@ -108,6 +109,8 @@ class KVStore {
   // time on the H200.
   Status resize_flat(size_t new_capacity, size_t rows_to_keep);
   void note_allocated(size_t bytes);
+  // Give a released arena's memory back to the system (see DeviceMemory::return_unused).
+  void return_released_memory();
   // Where each flat tensor starts in an arena of `capacity` rows (aligned), and its size.
   std::vector<size_t> arena_offsets(size_t capacity, size_t* total) const;
   // Storage of tensor i: its ring, or its region of the flat arena.
@@ -125,6 +128,7 @@ class KVStore {
   size_t length_ = 0;
   size_t capacity_ = 0;  // rows of every flat tensor
   size_t pending_ = 0;   // width of the prepared step, 0 when idle
+  bool released_arena_ = false;  // an old arena was released since memory was last returned
   size_t allocated_ = 0;
   size_t peak_ = 0;
   size_t growths_ = 0;

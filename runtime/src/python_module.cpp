@@ -97,6 +97,7 @@ PYBIND11_MODULE(_runtime, m) {
         py::dict d;
         d["seconds"] = t.seconds;
         d["device_seconds"] = t.device_seconds;
+        d["copy_device_seconds"] = t.copy_device_seconds;
         d["bytes_copied"] = t.bytes_copied;
         return d;
       },
@@ -104,6 +105,18 @@ PYBIND11_MODULE(_runtime, m) {
       py::arg("rows_before"), py::arg("rows_after"), py::arg("repeats"), py::arg("copy_mode") = "auto",
       "Benchmark hook: mean seconds of one store growth (allocate, copy, release) by the host clock and, on "
       "CUDA, on the stream (events), and the bytes it copies.");
+  m.def(
+      "set_copy_kernel_grid",
+      [](int blocks_per_sm) {
+        const auto [in_effect, resident] = set_copy_kernel_grid(blocks_per_sm);
+        py::dict d;
+        d["blocks_per_sm"] = in_effect;
+        d["resident_blocks_per_sm"] = resident;
+        return d;
+      },
+      py::arg("blocks_per_sm"),
+      "Benchmark hook: blocks per multiprocessor of the CUDA growth copy kernel (0: the default), process-wide; "
+      "returns the value in effect and how many blocks fit on one multiprocessor (0 and 0 without the kernel).");
   py::class_<HostRunner>(m, "HostRunner",
                          "A method of a .pte run through ExecuTorch's C++ Module, with raw host buffers in and out.")
       .def(py::init([](const std::string& path, const std::string& method) {

@@ -5,6 +5,7 @@
 #include "segment_copy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace offgraph_kv {
@@ -56,9 +57,22 @@ int multiprocessors() {
   return count;
 }
 
+constexpr int kDefaultBlocksPerSM = 8;
+std::atomic<int> g_blocks_per_sm{kDefaultBlocksPerSM};
+
 }  // namespace
 
 bool segment_copy_available() { return true; }
+
+int set_segment_copy_blocks_per_sm(int blocks) {
+  g_blocks_per_sm = blocks > 0 ? blocks : kDefaultBlocksPerSM;
+  return g_blocks_per_sm;
+}
+
+int segment_copy_resident_blocks_per_sm() {
+  int n = 0;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, copy_segments, kThreads, 0) == cudaSuccess ? n : 0;
+}
 
 cudaError_t segment_copy(const std::vector<CopyOp>& copies, cudaStream_t stream) {
   for (size_t start = 0; start < copies.size(); start += kMaxSegments) {
@@ -74,7 +88,8 @@ cudaError_t segment_copy(const std::vector<CopyOp>& copies, cudaStream_t stream)
     // Enough blocks to fill the device several times over, spread across the
     // segments, but never more than the largest segment has work for.
     const unsigned long long per_block = static_cast<unsigned long long>(kThreads) * 16 * kUnroll;
-    const unsigned long long wanted = (8ULL * multiprocessors() + n - 1) / n;
+    const unsigned long long wanted =
+        (static_cast<unsigned long long>(g_blocks_per_sm.load()) * multiprocessors() + n - 1) / n;
     const unsigned long long needed = (largest + per_block - 1) / per_block;
     const unsigned int blocks_x = static_cast<unsigned int>(std::max(1ULL, std::min(wanted, needed)));
     copy_segments<<<dim3(blocks_x, static_cast<unsigned int>(n)), kThreads, 0, stream>>>(batch);

@@ -22,4 +22,11 @@ bool segment_copy_available();
 // error (cudaErrorNotSupported when the kernel was not built).
 cudaError_t segment_copy(const std::vector<CopyOp>& copies, cudaStream_t stream);
 
+// Blocks launched per multiprocessor (spread over the segments); 0 restores
+// the default. A process-wide tuning knob that benchmarks sweep; returns the
+// value in effect. Also reports how many blocks of the kernel fit on one
+// multiprocessor at once (0 without the kernel).
+int set_segment_copy_blocks_per_sm(int blocks);
+int segment_copy_resident_blocks_per_sm();
+
 }  // namespace offgraph_kv

@@ -51,6 +51,7 @@ class FailingMemory final : public DeviceMemory {
   int allocations = 0;
   int batches = 0;
   size_t batch_copies = 0;
+  int returns = 0;  // return_unused calls
   void* allocate(size_t bytes) override {
     if (fail_after == 0) return nullptr;
     if (fail_after > 0) --fail_after;
@@ -65,6 +66,7 @@ class FailingMemory final : public DeviceMemory {
   void release(void* p) override { host_memory()->release(p); }
   void copy(void* d, const void* s, size_t n) override { host_memory()->copy(d, s, n); }
   void zero(void* d, size_t n) override { host_memory()->zero(d, n); }
+  void return_unused() override { ++returns; }
   const char* name() const override { return "failing"; }
 };
 
@@ -221,6 +223,28 @@ TEST(growth_is_one_allocation_and_one_copy_batch_whatever_the_layer_count) {
     const auto b = reinterpret_cast<uintptr_t>(s->binding(i + 1).data);
     CHECK((b - a) % 256 == 0 && b >= a + 8 * s->tensors()[i].row_bytes());
   }
+}
+
+TEST(old_arena_memory_is_returned_once_the_step_after_a_growth_commits) {
+  auto mem = std::make_shared<FailingMemory>();
+  Status st;
+  auto s = KVStore::create(flat_layers(2, StorageDType::Float32), policy(4, 64), 8, mem, &st);
+  CHECK(st.ok());
+  CHECK(s->prepare_step(3).ok());
+  s->commit_step();
+  CHECK(mem->returns == 0);  // no growth, nothing released
+  CHECK(s->prepare_step(4).ok() && s->capacity() == 8);
+  CHECK(mem->returns == 0);  // the copy out of the old arena may still be running
+  s->abort_step();
+  CHECK(mem->returns == 0);
+  CHECK(s->prepare_step(1).ok());
+  s->commit_step();
+  CHECK(mem->returns == 1);  // the next completed step returns it
+  CHECK(s->prepare_step(1).ok());
+  s->commit_step();
+  CHECK(mem->returns == 1);  // once
+  CHECK(s->reset(true).ok());
+  CHECK(mem->returns == 2);  // shrinking releases an arena too
 }
 
 TEST(reset_with_release_returns_to_initial_allocation) {
@@ -384,6 +408,41 @@ TEST(cuda_growth_keeps_every_byte_in_each_copy_mode) {
     s->abort_step();
     std::printf("  %s: ok\n", name);
   }
+}
+
+// On a GPU: after each growth's step, the device holds the arena in use, not
+// every arena the store ever had (the pool gives old arenas back).
+TEST(cuda_device_memory_follows_the_arena_after_each_growth) {
+  Status st;
+  std::unique_ptr<StepIO> io = cuda_step_io(&st);
+  if (!io) {
+    std::printf("  SKIP: %s\n", st.message().c_str());
+    return;
+  }
+  auto used = [] {
+    size_t free_bytes = 0, total = 0;
+    cudaMemGetInfo(&free_bytes, &total);
+    return total - free_bytes;
+  };
+  const size_t baseline = used();
+  // 4 layers of 8 x 128 bf16: 16 KiB per row; 32 MiB at 2048 rows, 256 MiB at 16384.
+  auto s = KVStore::create(flat_layer_specs(4, 8, 128, StorageDType::BFloat16, 0), policy(2048, 16384), 1, io->memory(),
+                           &st);
+  CHECK(st.ok() && s != nullptr);
+  if (!s) return;
+  size_t grown_to = 0;
+  for (size_t rows : {2048, 4096, 8192, 16384}) {
+    CHECK(s->prepare_step(rows - s->length()).ok() && s->capacity() == rows);
+    s->commit_step();
+    grown_to = s->metrics().allocated_bytes;
+    const double used_mib = double(used() - baseline) / (1 << 20);
+    std::printf("  capacity %zu: arena %.0f MiB, device memory used %.0f MiB\n", rows, grown_to / 1048576.0, used_mib);
+    // Pool granularity and driver bookkeeping, not a second arena (the previous one is half the size).
+    CHECK(used() - baseline <= grown_to + (16u << 20));
+  }
+  s.reset();
+  io->memory()->return_unused();
+  CHECK(used() - baseline <= (16u << 20));
 }
 #endif
 
