@@ -86,7 +86,7 @@ class CopyTimedMemory final : public DeviceMemory {
 
 Status time_growth(const std::string& device, size_t layers, size_t heads, size_t head_dim, int dtype,
                    size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode,
-                   GrowthTiming* out) {
+                   bool fresh_memory, GrowthTiming* out) {
   if (!is_supported(dtype)) return Status(Error::InvalidArgument, "unsupported dtype " + std::to_string(dtype));
   if (rows_before == 0 || rows_after <= rows_before || repeats <= 0)
     return Status(Error::InvalidArgument, "need 0 < rows_before < rows_after and repeats > 0");
@@ -115,7 +115,7 @@ Status time_growth(const std::string& device, size_t layers, size_t heads, size_
     if (!store) return s;
     if (!(s = store->prepare_step(rows_before)).ok()) return s;
     store->commit_step();
-    memory->return_unused();  // what a completed step leaves: the arena in use, nothing spare
+    if (fresh_memory) memory->return_unused();  // what a completed step leaves: the arena in use, nothing spare
     memory->synchronize();
     const auto t0 = std::chrono::steady_clock::now();
     timer.start();

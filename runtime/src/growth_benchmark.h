@@ -18,13 +18,14 @@ struct GrowthTiming {
 };
 
 // Fills `rows_before` rows of `layers` flat K/V pairs, then grows to
-// `rows_after`, `repeats` times (each on a fresh store, whose memory holds
-// only its arena before the growth, as after any completed step: the new
-// arena's memory is fresh, as in real use). `copy_mode` (see
+// `rows_after`, `repeats` times, each on a new store. With `fresh_memory` the
+// store's memory holds only its arena before the growth, as after any
+// completed step, so the new arena is memory the device maps afresh (real
+// use); without, the pool still holds the previous round's blocks. `copy_mode` (see
 // CopyMode: "auto", "kernel", "batch", "each") picks how CUDA submits the copies.
 Status time_growth(const std::string& device, size_t layers, size_t heads, size_t head_dim, int dtype,
                    size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode,
-                   GrowthTiming* out);
+                   bool fresh_memory, GrowthTiming* out);
 
 // Benchmark hook: blocks per multiprocessor of the growth copy kernel (0: the
 // default), process-wide. Returns {the value in effect, how many blocks of the

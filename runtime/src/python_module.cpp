@@ -89,10 +89,11 @@ PYBIND11_MODULE(_runtime, m) {
   m.def(
       "time_growth",
       [](const std::string& device, size_t layers, size_t heads, size_t head_dim, const std::string& dtype,
-         size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode) {
+         size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode, bool fresh_memory) {
         const int code = dtype == "fp32" ? 0 : dtype == "fp16" ? 1 : dtype == "bf16" ? 2 : -1;
         GrowthTiming t;
-        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, copy_mode, &t);
+        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, copy_mode, fresh_memory,
+                               &t);
         if (!s.ok()) throw std::runtime_error(s.message());
         py::dict d;
         d["seconds"] = t.seconds;
@@ -103,6 +104,7 @@ PYBIND11_MODULE(_runtime, m) {
       },
       py::arg("device"), py::arg("layers"), py::arg("heads"), py::arg("head_dim"), py::arg("dtype"),
       py::arg("rows_before"), py::arg("rows_after"), py::arg("repeats"), py::arg("copy_mode") = "auto",
+      py::arg("fresh_memory") = true,
       "Benchmark hook: mean seconds of one store growth (allocate, copy, release) by the host clock and, on "
       "CUDA, on the stream (events), and the bytes it copies.");
   m.def(
