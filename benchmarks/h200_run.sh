@@ -27,10 +27,10 @@ case "${1:-tests}" in
     grep -E " 32768 | 8192 " "$OUT/attention.txt"
     fi
     rm -rf /tmp/pt
-    timeout 400 python3 -u -m pytest -q -p no:cacheprovider $tests \
+    timeout 480 python3 -u -m pytest -q -p no:cacheprovider $tests \
       --basetemp=/tmp/pt -rs --junitxml="$OUT/cuda_tests_h200.junit.xml" > "$OUT/pytest_cuda.txt" 2>&1
     grep -E "passed|failed" "$OUT/pytest_cuda.txt" | tail -1
-    left=$((560 - SECONDS))
+    left=$((585 - SECONDS))
     [ $left -gt 60 ] || { echo "no time left for memcheck"; exit 0; }
     timeout $left compute-sanitizer --tool memcheck python3 -m benchmarks.cuda_sanitize /tmp/pt/pte0/toy_1.pte \
       > "$OUT/cuda_memcheck_h200.log" 2>&1
