@@ -98,7 +98,8 @@ def growth_rows(copy_mode: str = "kernel", sizes: "tuple[int, ...]" = (1024, 409
             "wall_ratio": bw["growth_wall"] / bw["memcpy"],
         })
         r = rows[-1]
-        print(f"{copy_mode + ('' if fresh_memory else ' warm'):>11} {before:>6} -> {2 * before:>6} rows  {copied / 2**20:8.1f} MiB  copy "
+        label = copy_mode if fresh_memory else copy_mode + " warm"
+        print(f"{label:>11} {before:>6} -> {2 * before:>6} rows  {copied / 2**20:8.1f} MiB  copy "
               f"{bw['copy'] / 1e12:5.2f} TB/s  memcpy {bw['memcpy'] / 1e12:5.2f} TB/s  ratio {r['ratio']:5.2f}  "
               f"{'PASS' if r['ratio'] >= 0.9 else 'FAIL'} (>= 0.90)  vs back-to-back memcpy "
               f"{bw['memcpy_back_to_back'] / 1e12:5.2f} TB/s: {r['ratio_vs_back_to_back']:5.2f}  whole growth "

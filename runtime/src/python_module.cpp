@@ -92,8 +92,8 @@ PYBIND11_MODULE(_runtime, m) {
          size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode, bool fresh_memory) {
         const int code = dtype == "fp32" ? 0 : dtype == "fp16" ? 1 : dtype == "bf16" ? 2 : -1;
         GrowthTiming t;
-        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, copy_mode, fresh_memory,
-                               &t);
+        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, copy_mode,
+                               fresh_memory, &t);
         if (!s.ok()) throw std::runtime_error(s.message());
         py::dict d;
         d["seconds"] = t.seconds;

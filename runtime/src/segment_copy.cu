@@ -57,9 +57,9 @@ int multiprocessors() {
   return count;
 }
 
-// Two waves of resident blocks: measured on the H200 (benchmarks/results/
-// cuda_growth_h200.json, kernel_grid) copying at 0.96 of one memcpy from 12
-// blocks per multiprocessor up, 0.91-0.94 at 2-8.
+// Two waves of resident blocks (8 fit per multiprocessor): in two sweeps on
+// the H200 (benchmarks/results/cuda_h200.md) 12 and more blocks per
+// multiprocessor copied at 0.94-0.99 of one memcpy, 2 to 8 at 0.89-0.96.
 constexpr int kDefaultBlocksPerSM = 16;
 std::atomic<int> g_blocks_per_sm{kDefaultBlocksPerSM};
 
