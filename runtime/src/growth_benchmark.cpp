@@ -121,7 +121,7 @@ Status time_growth(const std::string& device, size_t layers, size_t heads, size_
     timer.start();
     if (!(s = store->prepare_step(1)).ok()) return s;  // the growth
     timer.stop();
-    io->memory()->synchronize();
+    memory->synchronize();
     const auto t1 = std::chrono::steady_clock::now();
     if (store->capacity() != rows_after) return Status(Error::Internal, "growth did not reach rows_after");
     if (i > 0) {
@@ -130,7 +130,7 @@ Status time_growth(const std::string& device, size_t layers, size_t heads, size_
       copy_total += memory->timer().seconds();
     }
     store.reset();
-    io->memory()->synchronize();
+    memory->synchronize();
   }
   out->seconds = total / repeats;
   out->device_seconds = device_total / repeats;
