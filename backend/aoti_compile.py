@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import tempfile
 from typing import Sequence
 
@@ -27,7 +26,7 @@ def target_of(device: str) -> str:
     return f"cpu:{isa}"
 
 
-def _symbolic_wrapper(workdir: str) -> str:
+def _symbolic_wrapper() -> str:
     """A g++ that links shared objects with -Bsymbolic.
 
     On the H200 image libtorch exports std::regex instantiations built with
@@ -35,16 +34,30 @@ def _symbolic_wrapper(workdir: str) -> str:
     creating the model container recurses forever inside parse_device_str (CUDA
     and CPU code alike). Elsewhere the flag only binds the wrapper's own symbols
     locally, which is what a self-contained program wants anyway.
+
+    One path for every compile: inductor keys its precompiled headers (~150 MB
+    each, in its global cache) on the compile command, compiler path included,
+    so a wrapper per compile rebuilt and left behind two headers per program.
     """
     real = shutil.which("g++") or "g++"
-    wrapper = os.path.join(workdir, "g++")
-    with open(wrapper, "w") as f:
-        f.write(
-            "#!/bin/sh\n"
-            f'for a in "$@"; do [ "$a" = "-shared" ] && exec "{real}" "$@" -Wl,-Bsymbolic; done\n'
-            f'exec "{real}" "$@"\n'
-        )
-    os.chmod(wrapper, os.stat(wrapper).st_mode | stat.S_IEXEC)
+    script = (
+        "#!/bin/sh\n"
+        f'for a in "$@"; do [ "$a" = "-shared" ] && exec "{real}" "$@" -Wl,-Bsymbolic; done\n'
+        f'exec "{real}" "$@"\n'
+    )
+    wrapper = os.path.join(inductor_cache_dir(), "g++-bsymbolic")
+    try:
+        with open(wrapper) as f:
+            if f.read() == script:
+                return wrapper
+    except OSError:
+        pass
+    # Written beside and renamed into place: a concurrent compile never runs a half-written script.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(wrapper))
+    with os.fdopen(fd, "w") as f:
+        f.write(script)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, wrapper)
     return wrapper
 
 
@@ -71,10 +84,10 @@ def inductor_cache_dir() -> str:
     return path
 
 
-def symbolic_compile_env(workdir: str) -> dict:
+def symbolic_compile_env() -> dict:
     """Environment for a fresh process whose AOTInductor compiles link with
     -Bsymbolic (see ``_symbolic_wrapper``) into our private inductor cache."""
-    return dict(os.environ, CXX=_symbolic_wrapper(workdir), TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir())
+    return dict(os.environ, CXX=_symbolic_wrapper(), TORCHINDUCTOR_CACHE_DIR=inductor_cache_dir())
 
 
 def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[torch.Tensor], options: dict,
@@ -92,7 +105,7 @@ def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[t
     torch.save(list(example_args), args_path)
     torch.save(options, opt_path)
     done = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, ep_path, args_path, opt_path],
-                          env=symbolic_compile_env(workdir), capture_output=True, text=True)
+                          env=symbolic_compile_env(), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"AOTInductor compile failed:\n{done.stderr[-4000:]}")
     return done.stdout.strip().splitlines()[-1]

@@ -85,7 +85,7 @@ def start_static_build(shape: Dict[str, int], capacity: int, out: Path, device: 
     cmd = [sys.executable, "-m", "benchmarks.cuda_static", "--build-static", str(out), "--device", device,
            "--shape", json.dumps(shape), "--capacity", str(capacity)]
     with open(str(out) + ".log", "w") as log:  # the child keeps its own copy of the handle
-        return subprocess.Popen(cmd, env=symbolic_compile_env(str(out.parent)), stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=symbolic_compile_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
 class StaticRunner:
