@@ -350,7 +350,7 @@ def plot(result: Dict[str, object], stem: Path) -> List[str]:
     xs, ys = zip(*g["step_ms_rolling"])
     ax.plot(xs, ys, color="tab:blue", label="offgraph-kv decode (median of 32 steps)")
     decode_png = finish_plot(fig, ax, "context (tokens already in the cache)", "ms/token",
-                         f"Decode time vs context\n{sub}", f"{stem}_decode.png")
+                             f"Decode time vs context\n{sub}", f"{stem}_decode.png")
 
     fig, ax = plt.subplots(figsize=(9, 5))
     toks = sorted(int(t) for t in g["memory"])
@@ -361,7 +361,7 @@ def plot(result: Dict[str, object], stem: Path) -> List[str]:
         ax.plot(toks, [d / MIB for d in dev], "s-", label="device memory used since before load")
     ax.plot([0, toks[-1]], [0, bpt * toks[-1] / MIB], "k:", label="bytes/token x length")
     memory_png = finish_plot(fig, ax, "generated tokens", "MiB", f"Memory vs generated tokens\n{sub}",
-                         f"{stem}_memory.png")
+                             f"{stem}_memory.png")
     return [decode_png, memory_png]
 
 
