@@ -23,7 +23,7 @@ from offgraph_kv.backend.private_tensors import (
     private_tensor_examples,
 )
 from offgraph_kv.backend.storage_omission import prove_storage_omission
-from offgraph_kv.schemas.manifest import Manifest, PrivateTensor
+from offgraph_kv.schemas.manifest import SCALAR_TYPES, InputDim, Manifest, PrivateTensor, UserInput
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,31 @@ def _examples_and_dims(
     return examples, shapes
 
 
+def describe_inputs(ep: ExportedProgram, inputs: List[torch.fx.Node], width: "int | torch.SymInt") -> List[UserInput]:
+    """What the runtime checks of every delegate input before a step: dtype, rank,
+    static extents, which dims carry the step width, bounds of other dynamic dims."""
+    out = []
+    for node in inputs:
+        val = node.meta["val"]
+        if val.dtype not in SCALAR_TYPES:
+            raise LoweringError(f"input {node.name}: dtype {val.dtype} is not supported as a delegate input")
+        dims = []
+        for size in val.shape:
+            if not isinstance(size, torch.SymInt):
+                dims.append(InputDim("static", int(size)))
+            elif isinstance(width, torch.SymInt) and size.node.expr == width.node.expr:
+                dims.append(InputDim("width", 0))
+            else:
+                upper = ep.range_constraints[size.node.expr].upper if size.node.expr in ep.range_constraints else None
+                bounded = upper is not None and upper.is_finite and int(upper) < 2**62
+                dims.append(InputDim("dynamic", int(upper) if bounded else 0))
+        out.append(UserInput(val.dtype, dims))
+    return out
+
+
 def build_manifest(
     sites: Sequence[CacheOpSite], specs: BackendSpecs, num_user_inputs: int, num_outputs: int, code_key: str,
-    target: str, has_length_input: bool,
+    target: str, has_length_input: bool, inputs: Sequence[UserInput] = (), width_bound: int = 0,
 ) -> Manifest:
     tensors = []
     for s in sites:
@@ -103,6 +125,8 @@ def build_manifest(
         tensors=tensors,
         # The committed length follows the K/V tensors among the compiled inputs.
         length_input=num_user_inputs + len(tensors) if has_length_input else None,
+        inputs=list(inputs),
+        width_bound=width_bound or specs.max_write,
     )
 
 
@@ -132,11 +156,18 @@ class OffGraphKVBackend(BackendDetails):
         if len(specs.layers) != len(sites):
             raise LoweringError(f"compile specs give {len(specs.layers)} layer policies for {len(sites)} cache layers")
         inputs = _user_inputs(edge_program)
-        # The partitioner derived the locator from the whole program; check it
-        # against this partition's own inputs, which are the delegate's.
-        from offgraph_kv.partitioner.step_width import locate
+        # The partitioner predicted the delegate's input order; these are the
+        # inputs as lowered, in the order the runtime passes them. A locator
+        # that does not name a step-width dim here is an error, never a run.
+        from offgraph_kv.partitioner.step_width import locate  # the partitioner package imports this one
 
-        locate(sites, [n.meta["val"].shape for n in inputs], specs.step_width)
+        locate(sites, [n.name for n in inputs], [n.meta["val"].shape for n in inputs], specs.step_width)
+        width = sites[0].width
+        width_bound = int(edge_program.range_constraints[width.node.expr].upper) if isinstance(width, torch.SymInt) \
+            else int(width)
+        if not 1 <= specs.max_write <= width_bound:
+            raise LoweringError(f"max_write {specs.max_write} must be in [1, {width_bound}] (the export bound of the step width)")
+        described = describe_inputs(edge_program, inputs, width)
 
         device = specs.device
         if device == "cuda":
@@ -168,7 +199,7 @@ class OffGraphKVBackend(BackendDetails):
         code_key = "offgraph_kv_" + hashlib.sha256(so_bytes).hexdigest()[:32] + "_so"
 
         manifest = build_manifest(sites, specs, len(inputs), num_outputs, code_key, target_of(device),
-                                  wrapper.has_length_input)
+                                  wrapper.has_length_input, described, width_bound)
         validate_manifest(manifest, compiled_ep)
         report = prove_storage_omission(compiled_ep, edge_program, manifest)
         log.info("offgraph-kv: %d weight bytes compiled in, %d KV bytes/token left to the runtime",

@@ -15,7 +15,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from offgraph_kv.backend import OffGraphKVBackend
 from offgraph_kv.backend.cache_ops import LoweringError, find_sites, is_cache_op
 from offgraph_kv.backend.compile_specs import BackendSpecs, StepWidth
-from offgraph_kv.partitioner.step_width import locate
+from offgraph_kv.partitioner.step_width import delegate_input_nodes, locate, shape_of
 from offgraph_kv.schemas.manifest import dtype_from_name
 
 # The compiled code's bound on readable rows. It is fixed rather than taken from
@@ -85,7 +85,8 @@ class OffGraphKVPartitioner(Partitioner):
             )
         return self.layers
 
-    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+    def _claim(self, exported_program: ExportedProgram) -> Tuple[list, "set[torch.fx.Node]"]:
+        """The cache sites and the one partition that holds them (nothing tagged yet)."""
         graph = exported_program.graph
         sites = find_sites(graph)
         if not sites:
@@ -111,27 +112,36 @@ class OffGraphKVPartitioner(Partitioner):
                 f"the cache ops fall into {len(with_cache)} separate partitions {names}; "
                 "one store serves one partition, so they must form one connected subgraph"
             )
-        part = with_cache[0]
-        spec = self._specs_for(exported_program, part.nodes, sites)
+        return sites, set(with_cache[0].nodes)
+
+    def delegate_inputs(self, exported_program: ExportedProgram) -> List[Tuple[str, Optional[torch.Size]]]:
+        """The delegate's inputs as the runtime passes them (name, shape), in the order
+        ``step_width`` indexes: the order of first use inside the partition, which
+        is not the model's argument order in general."""
+        _, nodes = self._claim(exported_program)
+        return [(n.name, shape_of(n)) for n in delegate_input_nodes(exported_program, nodes)]
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        sites, nodes = self._claim(exported_program)
+        spec = self._specs_for(exported_program, nodes, sites)
         tag = "offgraph_kv_0"
-        for node in part.nodes:
+        for node in nodes:
             node.meta["delegation_tag"] = tag
         tag_constant_data(exported_program)
         self.delegation_spec = DelegationSpec(OffGraphKVBackend.__name__, spec.to_compile_specs())
         return PartitionResult(tagged_exported_program=exported_program, partition_tags={tag: self.delegation_spec})
 
     def _specs_for(self, ep: ExportedProgram, nodes: "set[torch.fx.Node]", sites: list) -> BackendSpecs:
-        user_inputs = set(ep.graph_signature.user_inputs)
-        # Delegate inputs are the partition's external user inputs, in graph order.
-        inputs = [
-            n for n in ep.graph.nodes
-            if n.op == "placeholder" and n.name in user_inputs and any(u in nodes for u in n.users)
-        ]
-        shapes = [n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else None for n in inputs]
-        loc = locate(sites, shapes, self.step_width)
+        inputs = delegate_input_nodes(ep, nodes)
+        loc = locate(sites, [n.name for n in inputs], [shape_of(n) for n in inputs], self.step_width)
         width = sites[0].width
         if isinstance(width, torch.SymInt):
             bound = ep.range_constraints[width.node.expr].upper
+            if not bound.is_finite or int(bound) >= 2**31:
+                raise LoweringError(
+                    f"the step width {width} has no finite export bound; export it with "
+                    "torch.export.Dim(..., max=<widest step>) (the bound sizes rings and checks every step)"
+                )
             compiled_max_write = int(bound)
         else:
             compiled_max_write = int(width)

@@ -1,7 +1,10 @@
 """Locating the step width: which delegate input carries this step's token count.
 
 The export side knows it from its own signature; the runtime reads only that
-input's extent, never its data.
+input's extent, never its data. Indices count the *delegate's* inputs in the
+order the runtime passes them, which ExecuTorch fixes when it fuses the
+partition: external inputs in order of first use inside the partition (the
+model's argument order only when the model uses its arguments in that order).
 """
 
 from __future__ import annotations
@@ -9,9 +12,46 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
+from torch.export import ExportedProgram
 
 from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError
 from offgraph_kv.backend.compile_specs import StepWidth
+
+
+def shape_of(node: torch.fx.Node) -> Optional[torch.Size]:
+    val = node.meta.get("val")
+    return val.shape if isinstance(val, torch.Tensor) else None
+
+
+def delegate_input_nodes(ep: ExportedProgram, nodes: "set[torch.fx.Node]") -> List[torch.fx.Node]:
+    """The partition's runtime inputs in the order the lowered module takes them.
+
+    Mirrors how ExecuTorch fuses a partition (torch.fx's ``fuse_as_graphmodule``
+    over the tagged nodes in graph order): each node's inputs are visited in
+    argument order and an outside node becomes an input at its first use.
+    Parameters, buffers and constants are owned by the delegate (tagged with
+    it), so they are not runtime inputs. ``preprocess`` checks the result
+    against the inputs it actually receives.
+    """
+    sig = ep.graph_signature
+    owned = set(sig.inputs_to_parameters) | set(sig.inputs_to_buffers) | set(sig.inputs_to_lifted_tensor_constants)
+    order: List[torch.fx.Node] = []
+    seen = set()
+    for node in ep.graph.nodes:
+        if node not in nodes:
+            continue
+        for arg in node.all_input_nodes:
+            if arg in nodes or arg in seen:
+                continue
+            seen.add(arg)
+            if not (arg.op == "placeholder" and arg.name in owned):
+                order.append(arg)
+    return order
+
+
+def _listing(names: Sequence[str], shapes: Sequence[Optional[torch.Size]]) -> str:
+    return ", ".join(f"{i}: {n} {list(s) if s is not None else '(not a tensor)'}"
+                     for i, (n, s) in enumerate(zip(names, shapes)))
 
 
 def _same(a: object, b: object) -> bool:
@@ -24,12 +64,14 @@ def _same(a: object, b: object) -> bool:
     return a == b
 
 
-def locate(sites: Sequence[CacheOpSite], input_shapes: Sequence[Optional[torch.Size]],
+def locate(sites: Sequence[CacheOpSite], input_names: Sequence[str], input_shapes: Sequence[Optional[torch.Size]],
            given: "str | StepWidth | None") -> StepWidth:
     """Derive the locator from the inputs' shapes, or check the one given.
 
-    ``input_shapes`` are the delegate inputs in order (None for a non-tensor).
+    ``input_names``/``input_shapes`` are the delegate inputs in the runtime's
+    order (shape None for a non-tensor).
     """
+    inputs = f"the delegate's inputs, in the runtime's order, are [{_listing(input_names, input_shapes)}]"
     width = sites[0].width
     for s in sites[1:]:
         if not _same(s.width, width):
@@ -41,15 +83,15 @@ def locate(sites: Sequence[CacheOpSite], input_shapes: Sequence[Optional[torch.S
         loc = StepWidth.parse(given)
         if loc.input_index >= len(input_shapes) or input_shapes[loc.input_index] is None:
             raise LoweringError(
-                f"step_width '{loc}': the partition has {len(input_shapes)} inputs; input {loc.input_index} is not a tensor input"
+                f"step_width '{loc}': input {loc.input_index} is not a tensor input; {inputs}"
             )
         shape = input_shapes[loc.input_index]
         if loc.dim >= len(shape):
-            raise LoweringError(f"step_width '{loc}': input {loc.input_index} has only {len(shape)} dims {list(shape)}")
+            raise LoweringError(f"step_width '{loc}': input {loc.input_index} has only {len(shape)} dims; {inputs}")
         if not _same(shape[loc.dim], width):
             raise LoweringError(
                 f"step_width '{loc}': input {loc.input_index} dim {loc.dim} has extent {shape[loc.dim]}, "
-                f"but the cache op's step width is {width}"
+                f"but the cache op's step width is {width}; {inputs}"
             )
         return loc
     matches: List[StepWidth] = [
@@ -61,11 +103,11 @@ def locate(sites: Sequence[CacheOpSite], input_shapes: Sequence[Optional[torch.S
     ]
     if not matches:
         raise LoweringError(
-            f"no delegate input has a dimension equal to the step width {width}; pass step_width='input_index:dim'"
+            f"no delegate input has a dimension equal to the step width {width}; {inputs}"
         )
     if not isinstance(width, torch.SymInt) and len(matches) > 1:
         raise LoweringError(
             f"the step width is the static {width} and several inputs match ({', '.join(map(str, matches))}); "
-            "pass step_width='input_index:dim'"
+            f"pass step_width='input_index:dim'; {inputs}"
         )
     return matches[0]

@@ -10,7 +10,8 @@ import torch
 from offgraph_kv.schemas import manifest_generated as fb
 
 # Bump when a reader of the previous version could misread a new manifest.
-MANIFEST_VERSION = 1
+# 2: the delegate inputs (dtype, static / step-width / dynamic dims) and the width bound.
+MANIFEST_VERSION = 2
 FILE_IDENTIFIER = b"OGKV"
 
 STORAGE_DTYPES = {
@@ -26,6 +27,14 @@ _DTYPE_NAMES = {
 DEVICES = {"cpu": fb.Device.CPU, "cuda": fb.Device.CUDA}
 LAYER_KINDS = {"flat": fb.LayerKind.Flat, "ring": fb.LayerKind.Ring}
 ROLES = {"key": fb.TensorRole.Key, "value": fb.TensorRole.Value}
+
+
+# ExecuTorch ScalarType codes (c10's numbering), for the delegate inputs' dtypes.
+SCALAR_TYPES = {
+    torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+    torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15,
+}
+DIM_KINDS = {"static": fb.DimKind.Static, "width": fb.DimKind.StepWidth, "dynamic": fb.DimKind.Dynamic}
 
 
 class ManifestError(ValueError):
@@ -71,6 +80,23 @@ class PrivateTensor:
         return self.num_heads * self.head_dim * self.storage_dtype.itemsize
 
 
+@dataclass(frozen=True)
+class InputDim:
+    kind: str    # "static" | "width" | "dynamic"
+    extent: int  # static: the extent; dynamic: the upper bound (0: none); width: 0
+
+
+@dataclass(frozen=True)
+class UserInput:
+    """One delegate input as compiled; the runtime rejects a step whose input differs."""
+
+    dtype: torch.dtype
+    dims: List[InputDim]
+
+    def width_dims(self) -> List[int]:
+        return [d for d, dim in enumerate(self.dims) if dim.kind == "width"]
+
+
 @dataclass
 class Manifest:
     device: str
@@ -87,6 +113,8 @@ class Manifest:
     batch: int = 1
     version: int = MANIFEST_VERSION
     length_input: "int | None" = None  # compiled input of the int64 [1] committed length (rings)
+    inputs: List[UserInput] = field(default_factory=list)  # the delegate inputs, in args order
+    width_bound: int = 0  # export bound of the step width
 
     def kv_bytes_per_token(self) -> int:
         return sum(t.bytes_per_row() for t in self.tensors)
@@ -108,6 +136,18 @@ class Manifest:
         m.compiledCodeKey = self.compiled_code_key
         m.hasLengthInput = self.length_input is not None
         m.lengthInput = self.length_input or 0
+        m.widthBound = self.width_bound
+        m.inputs = []
+        for u in self.inputs:
+            i = fb.UserInputT()
+            i.dtype = SCALAR_TYPES[u.dtype]
+            i.dims = []
+            for d in u.dims:
+                dim = fb.InputDimT()
+                dim.kind = DIM_KINDS[d.kind]
+                dim.extent = d.extent
+                i.dims.append(dim)
+            m.inputs.append(i)
         m.tensors = []
         for t in self.tensors:
             p = fb.PrivateTensorT()
@@ -133,9 +173,10 @@ class Manifest:
         m = fb.ManifestT.InitFromPackedBuf(bytearray(data), 0)
         if m.version != MANIFEST_VERSION:
             raise ManifestError(f"manifest version {m.version} is not supported (expected {MANIFEST_VERSION})")
-        if m.target is None or m.compiledCodeKey is None or m.tensors is None:
-            raise ManifestError("manifest lacks a required field (target, compiled_code_key or tensors)")
+        if m.target is None or m.compiledCodeKey is None or m.tensors is None or m.inputs is None:
+            raise ManifestError("manifest lacks a required field (target, compiled_code_key, tensors or inputs)")
         dtypes, devices = _invert(STORAGE_DTYPES), _invert(DEVICES)
+        scalar_types, dim_kinds = _invert(SCALAR_TYPES), _invert(DIM_KINDS)
         kinds, roles = _invert(LAYER_KINDS), _invert(ROLES)
         return cls(
             device=devices[m.device],
@@ -151,6 +192,11 @@ class Manifest:
             batch=m.batch,
             version=m.version,
             length_input=m.lengthInput if m.hasLengthInput else None,
+            width_bound=m.widthBound,
+            inputs=[
+                UserInput(scalar_types[u.dtype], [InputDim(dim_kinds[d.kind], d.extent) for d in u.dims])
+                for u in m.inputs
+            ],
             tensors=[
                 PrivateTensor(
                     layer=p.layer,

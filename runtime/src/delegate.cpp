@@ -12,6 +12,7 @@
 
 #include "compiled_program.h"
 #include "device_memory.h"
+#include "input_spec.h"
 #include "kv_store.h"
 #include "load_policy.h"
 #include "manifest_reader.h"
@@ -44,8 +45,27 @@ struct DelegateState {
   std::vector<TensorDesc> inputs;  // reused every step: no per-step allocation
 };
 
+// Messages quote strings read from the program (keys, specs); a Python host's
+// log sink decodes them as UTF-8 and aborts the process on a bad byte, so
+// anything outside printable ASCII is escaped.
+std::string printable(const std::string& text) {
+  static const char hex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (const unsigned char c : text) {
+    if (c >= 0x20 && c < 0x7f) {
+      out += char(c);
+    } else {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  return out;
+}
+
 Error fail(const Status& s, const char* stage) {
-  ET_LOG(Error, "OffGraphKVBackend %s: %s", stage, s.message().c_str());
+  ET_LOG(Error, "OffGraphKVBackend %s: %s", stage, printable(s.message()).c_str());
   return s.code();
 }
 
@@ -121,6 +141,15 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
                                                   std::to_string(state->width_at.input_index) + ", but the delegate has " +
                                                   std::to_string(m.num_user_inputs) + " inputs"),
                 "init");
+  {
+    const auto& dims = m.inputs[state->width_at.input_index].dims;
+    if (state->width_at.dim >= dims.size() || dims[state->width_at.dim].kind != DimKind::StepWidth)
+      return fail(Status(Error::InvalidProgram,
+                         "compile spec step_width names input " + std::to_string(state->width_at.input_index) +
+                             " dim " + std::to_string(state->width_at.dim) +
+                             ", which the manifest does not record as carrying the step width"),
+                  "init");
+  }
 
   const auto* data_map = context.get_named_data_map();
   if (data_map == nullptr)
@@ -182,6 +211,20 @@ Error OffGraphKVDelegate::execute(BackendExecutionContext&, DelegateHandle* hand
                                                    std::to_string(width_input.dim()) + " dims"),
                 "execute");
   const size_t width = size_t(width_input.size(at.dim));
+  if (width < 1 || width > m.max_write)
+    return fail(Status(Error::InvalidArgument, "step width " + std::to_string(width) + " (input " +
+                                                   std::to_string(at.input_index) + " dim " + std::to_string(at.dim) +
+                                                   ") outside [1, max_write=" + std::to_string(m.max_write) + "]"),
+                "execute");
+  // Every input as compiled, before anything is grown or bound: the compiled
+  // code trusts the shapes it is handed.
+  for (size_t i = 0; i < m.num_user_inputs; ++i) {
+    if (!args[i]->isTensor())
+      return fail(Status(Error::InvalidArgument, "input " + std::to_string(i) + " is not a tensor"), "execute");
+    const Tensor t = args[i]->toTensor();
+    Status c = check_input(i, m.inputs[i], int(t.scalar_type()), t.sizes().data(), size_t(t.dim()), width);
+    if (!c.ok()) return fail(c, "execute");
+  }
 
   const int64_t host_start = now_ns();
   KVStore& store = *state->store;
@@ -191,8 +234,6 @@ Error OffGraphKVDelegate::execute(BackendExecutionContext&, DelegateHandle* hand
   StepGuard step(store);
 
   for (size_t i = 0; i < m.num_user_inputs; ++i) {
-    if (!args[i]->isTensor())
-      return fail(Status(Error::InvalidArgument, "input " + std::to_string(i) + " is not a tensor"), "execute");
     if (!(s = io.stage_input(i, args[i]->toTensor(), &state->inputs[i])).ok()) return fail(s, "execute");
   }
   const auto& tensors = store.tensors();

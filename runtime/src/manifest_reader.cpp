@@ -33,6 +33,12 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
   if (m->batch() != 1) return invalid("batch " + std::to_string(m->batch()) + " is not supported (expected 1)");
   if (m->max_write() == 0) return invalid("max_write is 0");
   if (m->capacity_bound() == 0) return invalid("capacity_bound is 0");
+  // Bounds no real program reaches; past them sizes overflow or allocate absurdly.
+  if (m->capacity_bound() > (uint64_t(1) << 32))
+    return invalid("capacity_bound " + std::to_string(m->capacity_bound()) + " above 2^32 rows");
+  if (m->max_write() > m->capacity_bound())
+    return invalid("max_write " + std::to_string(m->max_write()) + " above capacity_bound " +
+                   std::to_string(m->capacity_bound()));
   if (m->tensors()->size() == 0) return invalid("no private tensors");
 
   out->version = m->version();
@@ -48,6 +54,38 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
   out->defaults.growth_factor = m->growth_factor();
   out->compiled_code_key = m->compiled_code_key()->str();
   out->tensors.clear();
+
+  // Version 2 on: every delegate input as compiled, checked before each step.
+  if (m->inputs() == nullptr) return invalid("inputs is missing (re-export with this version)");
+  if (m->inputs()->size() != out->num_user_inputs)
+    return invalid("inputs describes " + std::to_string(m->inputs()->size()) + " delegate inputs, num_user_inputs is " +
+                   std::to_string(out->num_user_inputs));
+  out->width_bound = m->width_bound();
+  if (out->max_write > out->width_bound)
+    return invalid("max_write " + std::to_string(out->max_write) + " exceeds the step width's export bound " +
+                   std::to_string(out->width_bound));
+  out->inputs.clear();
+  bool any_width = false;
+  for (uint32_t i = 0; i < m->inputs()->size(); ++i) {
+    const fb::UserInput* u = m->inputs()->Get(i);
+    const std::string where = "input " + std::to_string(i);
+    if (u->dims()->size() > 16) return invalid(where + ": rank " + std::to_string(u->dims()->size()) + " above 16");
+    InputSpec spec;
+    spec.dtype = u->dtype();
+    for (uint32_t d = 0; d < u->dims()->size(); ++d) {
+      const fb::InputDim* dim = u->dims()->Get(d);
+      if (dim->kind() != fb::DimKind::Static && dim->kind() != fb::DimKind::StepWidth &&
+          dim->kind() != fb::DimKind::Dynamic)
+        return invalid(where + " dim " + std::to_string(d) + ": unknown kind " + std::to_string(int(dim->kind())));
+      if (dim->extent() < 0 || dim->extent() > (int64_t(1) << 40))
+        return invalid(where + " dim " + std::to_string(d) + ": extent " + std::to_string(dim->extent()) +
+                       " out of range");
+      spec.dims.push_back({static_cast<DimKind>(dim->kind()), dim->extent()});
+      any_width = any_width || dim->kind() == fb::DimKind::StepWidth;
+    }
+    out->inputs.push_back(std::move(spec));
+  }
+  if (!any_width) return invalid("no delegate input dim carries the step width");
 
   std::set<uint32_t> inputs;
   out->has_length_input = m->has_length_input();

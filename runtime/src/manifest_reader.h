@@ -6,12 +6,13 @@
 #include <string>
 #include <vector>
 
+#include "input_spec.h"
 #include "kv_store.h"
 #include "status.h"
 
 namespace offgraph_kv {
 
-constexpr uint32_t kManifestVersion = 1;
+constexpr uint32_t kManifestVersion = 2;
 
 enum class DeviceKind : int8_t { CPU = 0, CUDA = 1 };
 
@@ -29,6 +30,8 @@ struct ManifestInfo {
   std::vector<TensorSpec> tensors;
   bool has_length_input = false;  // rings read the committed length from it
   uint32_t length_input = 0;
+  std::vector<InputSpec> inputs;  // the delegate inputs, in the order of execute's args
+  uint32_t width_bound = 0;       // export bound of the step width (>= max_write)
 
   size_t num_compiled_inputs() const { return num_user_inputs + tensors.size() + (has_length_input ? 1 : 0); }
 };

@@ -297,9 +297,16 @@ TEST(step_width_spec_parses_or_names_the_problem) {
 }
 
 namespace {
-std::vector<uint8_t> build_manifest(uint32_t version, int8_t dtype = 2, bool with_key = true) {
+std::vector<uint8_t> build_manifest(uint32_t version, int8_t dtype = 2, bool with_key = true, bool with_inputs = true) {
   namespace fb = offgraph_kv::schema;
   flatbuffers::FlatBufferBuilder b;
+  // tokens Long [1, T], positions Long [T, 1]
+  const fb::InputDim tokens[] = {{fb::DimKind::Static, 1}, {fb::DimKind::StepWidth, 0}};
+  const fb::InputDim pos[] = {{fb::DimKind::StepWidth, 0}, {fb::DimKind::Static, 1}};
+  std::vector<flatbuffers::Offset<fb::UserInput>> us = {
+      fb::CreateUserInput(b, 4, b.CreateVectorOfStructs(tokens, 2)),
+      fb::CreateUserInput(b, 4, b.CreateVectorOfStructs(pos, 2))};
+  auto inputs = b.CreateVector(us);
   std::vector<flatbuffers::Offset<fb::PrivateTensor>> ts;
   for (uint32_t i = 0; i < 2; ++i)
     ts.push_back(fb::CreatePrivateTensor(b, 0, i == 0 ? fb::TensorRole::Key : fb::TensorRole::Value,
@@ -320,6 +327,8 @@ std::vector<uint8_t> build_manifest(uint32_t version, int8_t dtype = 2, bool wit
   mb.add_initial_capacity(16);
   mb.add_max_capacity(1024);
   mb.add_growth_factor(2.0f);
+  mb.add_width_bound(32);
+  if (with_inputs) mb.add_inputs(inputs);
   b.Finish(mb.Finish(), fb::ManifestIdentifier());
   return {b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize()};
 }
@@ -342,13 +351,38 @@ TEST(manifest_reader_accepts_valid_and_rejects_bad_manifests) {
 
   auto future = build_manifest(kManifestVersion + 1);
   Status v = read_manifest(future.data(), future.size(), &info);
-  CHECK(!v.ok() && v.message().find("version 2") != std::string::npos);
+  CHECK(!v.ok() && v.message().find("version " + std::to_string(kManifestVersion + 1)) != std::string::npos);
   auto odd_dtype = build_manifest(kManifestVersion, 9);
   Status d = read_manifest(odd_dtype.data(), odd_dtype.size(), &info);
   CHECK(!d.ok() && d.message().find("storage dtype 9") != std::string::npos);
   auto keyless = build_manifest(kManifestVersion, 2, false);
   Status k = read_manifest(keyless.data(), keyless.size(), &info);
   CHECK(!k.ok() && k.message().find("required field") != std::string::npos);
+  auto no_inputs = build_manifest(kManifestVersion, 2, true, false);
+  Status n = read_manifest(no_inputs.data(), no_inputs.size(), &info);
+  CHECK(!n.ok() && n.message().find("inputs is missing") != std::string::npos);
+}
+
+TEST(step_inputs_must_match_what_was_compiled) {
+  ManifestInfo info;
+  auto good = build_manifest(kManifestVersion);
+  CHECK(read_manifest(good.data(), good.size(), &info).ok());
+  CHECK(info.inputs.size() == 2 && info.inputs[1].dims[0].kind == DimKind::StepWidth);
+  const int kLong = 4, kInt = 3, kFloat = 6;
+  const int32_t tokens[] = {1, 7}, pos[] = {7, 1}, pos_other[] = {5, 1}, batch2[] = {2, 7}, pos3[] = {7, 1, 1};
+  CHECK(check_input(0, info.inputs[0], kLong, tokens, 2, 7).ok());
+  CHECK(check_input(1, info.inputs[1], kLong, pos, 2, 7).ok());
+  Status w = check_input(1, info.inputs[1], kLong, pos_other, 2, 7);
+  CHECK(!w.ok() && w.message().find("input 1") != std::string::npos &&
+        w.message().find("step width is 7") != std::string::npos);
+  Status b = check_input(0, info.inputs[0], kLong, batch2, 2, 7);
+  CHECK(!b.ok() && b.message().find("dim 0: extent 2, compiled for 1") != std::string::npos);
+  Status r = check_input(1, info.inputs[1], kLong, pos3, 3, 7);
+  CHECK(!r.ok() && r.message().find("rank 3") != std::string::npos);
+  Status i32 = check_input(0, info.inputs[0], kInt, tokens, 2, 7);
+  CHECK(!i32.ok() && i32.message().find("dtype Int, compiled for Long") != std::string::npos);
+  Status f = check_input(1, info.inputs[1], kFloat, pos, 2, 7);
+  CHECK(!f.ok() && f.message().find("dtype Float") != std::string::npos);
 }
 
 TEST(backend_options_override_defaults_all_or_nothing) {
