@@ -40,10 +40,13 @@ def _symbolic_wrapper() -> str:
     so a wrapper per compile rebuilt and left behind two headers per program.
     """
     real = shutil.which("g++") or "g++"
+    # -fno-gnu-unique: g++ emits template and inline statics as STB_GNU_UNIQUE,
+    # which the dynamic linker binds process-wide: two programs loaded side by
+    # side would share one instance of each (inductor's error flag among them).
     script = (
         "#!/bin/sh\n"
-        f'for a in "$@"; do [ "$a" = "-shared" ] && exec "{real}" "$@" -Wl,-Bsymbolic; done\n'
-        f'exec "{real}" "$@"\n'
+        f'for a in "$@"; do [ "$a" = "-shared" ] && exec "{real}" "$@" -fno-gnu-unique -Wl,-Bsymbolic; done\n'
+        f'exec "{real}" "$@" -fno-gnu-unique\n'
     )
     wrapper = os.path.join(inductor_cache_dir(), "g++-bsymbolic")
     try:
@@ -78,7 +81,8 @@ def inductor_cache_dir() -> str:
     """Inductor's cache for our compiles: kept between compiles (precompiled
     headers and kernels are reused) but apart from the default one, whose
     objects may have been linked without -Bsymbolic."""
-    default = os.path.join(tempfile.gettempdir(), f"offgraph_kv_inductor_{os.getuid()}")
+    # v2: objects built with -fno-gnu-unique; older cached objects must not be reused.
+    default = os.path.join(tempfile.gettempdir(), f"offgraph_kv_inductor_v2_{os.getuid()}")
     path = os.environ.get("OFFGRAPH_KV_INDUCTOR_CACHE", default)
     os.makedirs(path, exist_ok=True)
     return path

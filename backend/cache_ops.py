@@ -67,8 +67,18 @@ def read_site(node: fx.Node) -> CacheOpSite:
         raise LoweringError(f"{node.name} (layer {layer_id}): k {list(ks)} and v {list(vs)} do not match q {list(qs)}")
     if vs[3] != ks[3]:
         raise LoweringError(f"{node.name} (layer {layer_id}): v head dim {vs[3]} differs from k head dim {ks[3]}; not supported")
-    if len(ps) != 2 or ps[1] != 1:
-        raise LoweringError(f"{node.name} (layer {layer_id}): position must be [T, 1], got {list(ps)}")
+    # The op's contract: position is [q_len, n_dims] ints, one row per query token.
+    # This store appends at its committed length (as the reference cache does),
+    # so it reads no position values, but the layout must still be the op's.
+    same_t = ps[0] is qs[2] or (isinstance(ps[0], torch.SymInt) and isinstance(qs[2], torch.SymInt)
+                                and ps[0].node.expr == qs[2].node.expr) or ps[0] == qs[2]
+    if len(ps) != 2 or not same_t or isinstance(ps[1], torch.SymInt):
+        raise LoweringError(
+            f"{node.name} (layer {layer_id}): position must be [T, n_dims] with T = {qs[2]} query tokens "
+            f"(e.g. [T, 1]: positions.reshape(-1, 1)), got {list(ps)}"
+        )
+    if position.meta["val"].dtype.is_floating_point or position.meta["val"].dtype == torch.bool:
+        raise LoweringError(f"{node.name} (layer {layer_id}): position must be integer, got {position.meta['val'].dtype}")
     if not isinstance(out_dtype, torch.dtype):
         raise LoweringError(f"{node.name} (layer {layer_id}): out_dtype must be a constant dtype")
     return CacheOpSite(

@@ -17,11 +17,11 @@ import torch  # noqa: F401
 if torch.cuda.is_available():
     torch.cuda.init()
 
-from offgraph_kv.runtime._runtime import Store, get_options, set_options, stores  # noqa: F401
+from offgraph_kv.runtime._runtime import Store, get_options, last_error, set_options, stores  # noqa: F401
 
-from offgraph_kv.runtime.host_module import HostMethod, load_method, pybindings_match_torch  # noqa: E402
+from offgraph_kv.runtime.host_module import HostMethod, RuntimeMethod, load_method, pybindings_match_torch  # noqa: E402
 
-__all__ = ["Store", "HostMethod", "configure", "load_method", "stores", "options", "pybindings_match_torch"]
+__all__ = ["Store", "HostMethod", "RuntimeMethod", "last_error", "configure", "load_method", "stores", "options", "pybindings_match_torch"]
 
 
 def configure(

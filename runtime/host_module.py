@@ -16,7 +16,7 @@ from typing import List, Sequence, Union
 
 import torch
 
-from offgraph_kv.runtime._runtime import HostRunner
+from offgraph_kv.runtime._runtime import HostRunner, clear_last_error, last_error
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -56,12 +56,39 @@ def pybindings_match_torch() -> bool:
     return torch.__version__.split("+")[0] == PYBINDINGS_TORCH
 
 
+def _with_delegate_message(err: Exception) -> RuntimeError:
+    """executorch.runtime's exceptions carry only an error code; add what the delegate said."""
+    said = last_error()
+    return RuntimeError(f"{err} ({said})" if said else str(err))
+
+
+class RuntimeMethod:
+    """A method loaded through ``executorch.runtime`` whose errors name the problem."""
+
+    def __init__(self, path: Union[str, Path], method: str) -> None:
+        from executorch.runtime import Runtime, Verification
+
+        clear_last_error()
+        try:
+            # InternalConsistency: a corrupt program FlatBuffer is an error, not a crash in Init.
+            self.program = Runtime.get().load_program(str(path), verification=Verification.InternalConsistency)
+            self.method = self.program.load_method(method)
+        except RuntimeError as err:
+            raise _with_delegate_message(err) from err
+
+    def execute(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        clear_last_error()
+        try:
+            return self.method.execute(inputs)
+        except RuntimeError as err:
+            raise _with_delegate_message(err) from err
+
+
 def load_method(path: Union[str, Path], method: str = "forward") -> object:
     """Load ``method`` of a .pte for execution from Python: through ``executorch.runtime``
     where its bindings match this process's torch, else through ``HostMethod``
-    (``OFFGRAPH_KV_HOST_RUNNER=1`` forces the latter). Either has ``execute(inputs)``."""
+    (``OFFGRAPH_KV_HOST_RUNNER=1`` forces the latter). Either has ``execute(inputs)``,
+    and either raises ``RuntimeError`` with the delegate's message."""
     if os.environ.get("OFFGRAPH_KV_HOST_RUNNER") != "1" and pybindings_match_torch():
-        from executorch.runtime import Runtime
-
-        return Runtime.get().load_program(str(path)).load_method(method)
+        return RuntimeMethod(path, method)
     return HostMethod(path, method)

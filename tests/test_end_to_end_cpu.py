@@ -108,7 +108,7 @@ def test_rejected_steps_name_the_problem_and_change_nothing(pte_factory, capfd):
     assert "beyond max_capacity 12 (2 remaining)" in capfd.readouterr().err
     with pytest.raises(RuntimeError):
         session.method.execute([torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)])
-    assert "step width is 0" in capfd.readouterr().err
+    assert "step width 0 (input 0 dim 1) outside [1, max_write=" in capfd.readouterr().err
     assert session.store.metrics() == before
     session.step(prompt(2))  # exactly fills max_capacity
     assert session.store.length == 12

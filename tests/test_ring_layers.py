@@ -83,7 +83,7 @@ def test_step_wider_than_max_write_is_rejected_naming_the_limit(pte_factory, cap
     session = Session(_ring_pte(pte_factory, MIXED))
     with pytest.raises(RuntimeError):
         session.step(prompt(MAX_WRITE + 1))
-    assert f"exceeds max_write {MAX_WRITE}" in capfd.readouterr().err
+    assert f"step width {MAX_WRITE + 1} (input 0 dim 1) outside [1, max_write={MAX_WRITE}]" in capfd.readouterr().err
     assert session.store.length == 0
 
 

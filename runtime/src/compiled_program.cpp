@@ -5,6 +5,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 
 namespace offgraph_kv {
 
@@ -43,22 +45,41 @@ Status write_temp(const void* code, size_t size, std::string* path) {
   return Status::ok_status();
 }
 
-}  // namespace
-
-std::unique_ptr<CompiledProgram> CompiledProgram::load(const void* code, size_t size, const std::string& device,
-                                                       Status* status) {
-  std::unique_ptr<CompiledProgram> prog(new CompiledProgram());
+// The compiled code, mapped once per process per distinct code and kept: the
+// AOTI runtime leaves thread-local state behind (its last-error string, cached
+// outputs) whose pending destructors pin a library in memory until its threads
+// exit, so dlclose cannot unmap it anyway. Mapping each load's own copy would
+// leak the code's size per load; sharing it costs that once. Containers (and
+// their buffers) stay per load.
+void* map_code(const void* code, size_t size, const std::string& key, Status* status) {
+  static std::mutex mutex;
+  static std::map<std::string, void*> mapped;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = mapped.find(key);
+  if (it != mapped.end()) return it->second;
   std::string path;
   *status = write_temp(code, size, &path);
   if (!status->ok()) return nullptr;
-  prog->library_ = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  const char* err = prog->library_ ? nullptr : dlerror();
+  void* library = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  const char* err = library ? nullptr : dlerror();
   ::unlink(path.c_str());
-  if (prog->library_ == nullptr) {
+  if (library == nullptr) {
     *status = Status(Error::InvalidProgram, std::string("cannot load the compiled code: ") + (err ? err : "?") +
                                                 " (is torch imported / libtorch on the library path?)");
     return nullptr;
   }
+  mapped.emplace(key, library);
+  return library;
+}
+
+}  // namespace
+
+std::unique_ptr<CompiledProgram> CompiledProgram::load(const void* code, size_t size, const std::string& key,
+                                                       const std::string& device, Status* status) {
+  std::unique_ptr<CompiledProgram> prog(new CompiledProgram());
+  *status = Status::ok_status();
+  prog->library_ = map_code(code, size, key, status);
+  if (prog->library_ == nullptr) return nullptr;
   std::string missing;
   ContainerCreateWithDeviceFn create = nullptr;
   ContainerGetCountFn get_inputs = nullptr, get_outputs = nullptr;
@@ -98,7 +119,7 @@ std::unique_ptr<CompiledProgram> CompiledProgram::load(const void* code, size_t 
 
 CompiledProgram::~CompiledProgram() {
   if (container_ != nullptr) delete_container_(container_);
-  // The library stays mapped: its thread-local state may outlive the container.
+  // The library stays mapped, once per process (map_code).
 }
 
 Status CompiledProgram::run_raw(const std::vector<TensorDesc>& inputs, void* stream) {

@@ -43,7 +43,9 @@ class CompiledProgram {
  public:
   // Writes `code` to a private temporary file, loads it and creates the
   // container for `device` ("cpu" or "cuda").
-  static std::unique_ptr<CompiledProgram> load(const void* code, size_t size, const std::string& device,
+  // `key` names the code (its digest): a process maps each distinct code once.
+  static std::unique_ptr<CompiledProgram> load(const void* code, size_t size, const std::string& key,
+                                               const std::string& device,
                                                Status* status);
   ~CompiledProgram();
   CompiledProgram(const CompiledProgram&) = delete;

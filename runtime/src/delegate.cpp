@@ -4,12 +4,14 @@
 #include <executorch/runtime/platform/log.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "code_digest.h"
 #include "compiled_program.h"
 #include "device_memory.h"
 #include "input_spec.h"
@@ -64,8 +66,11 @@ std::string printable(const std::string& text) {
   return out;
 }
 
+thread_local std::string t_last_error;
+
 Error fail(const Status& s, const char* stage) {
-  ET_LOG(Error, "OffGraphKVBackend %s: %s", stage, printable(s.message()).c_str());
+  t_last_error = "OffGraphKVBackend " + std::string(stage) + ": " + printable(s.message());
+  ET_LOG(Error, "%s", t_last_error.c_str());
   return s.code();
 }
 
@@ -121,6 +126,9 @@ Status copy_output(StepIO& io, size_t index, const OutputView& out, EValue* valu
 
 }  // namespace
 
+std::string last_error() { return t_last_error; }
+void clear_last_error() { t_last_error.clear(); }
+
 bool OffGraphKVDelegate::is_available() const { return true; }
 
 Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, FreeableBuffer* processed,
@@ -134,7 +142,7 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
   processed->Free();
   if (!s.ok()) return fail(s, "init");
   const ManifestInfo& m = state->manifest;
-  if (!(s = check_target(m.target)).ok()) return fail(s, "init");
+  if (!(s = check_target(m.target, m.device)).ok()) return fail(s, "init");
   if (!(s = find_step_width(compile_specs, &state->width_at)).ok()) return fail(s, "init");
   if (state->width_at.input_index >= m.num_user_inputs)
     return fail(Status(Error::InvalidProgram, "compile spec step_width names input " +
@@ -158,7 +166,12 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
   if (!code.ok())
     return fail(Status(code.error(), "compiled code '" + m.compiled_code_key + "' is not in the program's named data"),
                 "init");
-  state->program = CompiledProgram::load(code->data(), code->size(), m.device == DeviceKind::CUDA ? "cuda" : "cpu", &s);
+  if (!(s = verify_code_digest(m.compiled_code_key, code->data(), code->size())).ok()) return fail(s, "init");
+  // AOTI checks each run's inputs (dtype, sizes, strides) against what it was
+  // compiled for only when this is set; the manifest that sized the arenas is
+  // read from the file, so the compiled code must not trust it either.
+  setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);
+  state->program = CompiledProgram::load(code->data(), code->size(), m.compiled_code_key, m.device == DeviceKind::CUDA ? "cuda" : "cpu", &s);
   code->Free();
   if (!s.ok()) return fail(s, "init");
   const size_t expected_inputs = m.num_compiled_inputs();

@@ -3,6 +3,8 @@
 
 #include <executorch/runtime/backend/interface.h>
 
+#include <string>
+
 namespace offgraph_kv {
 
 constexpr const char* kBackendName = "OffGraphKVBackend";
@@ -24,6 +26,12 @@ class OffGraphKVDelegate final : public executorch::runtime::BackendInterface {
       executorch::runtime::BackendOptionContext& context,
       executorch::runtime::Span<executorch::runtime::BackendOption>& options) override;
 };
+
+// The last message the delegate failed with on this thread ("" after
+// clear_last_error): hosts whose exceptions carry only ExecuTorch's error code
+// (executorch.runtime's Python bindings) attach it to their own.
+std::string last_error();
+void clear_last_error();
 
 // Registers the delegate with the process's ExecuTorch runtime (idempotent).
 executorch::runtime::Error register_delegate();

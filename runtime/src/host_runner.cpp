@@ -46,7 +46,8 @@ HostRunner::HostRunner(const std::string& path, std::string method)
 
 std::unique_ptr<HostRunner> HostRunner::load(const std::string& path, const std::string& method, Status* status) {
   std::unique_ptr<HostRunner> runner(new HostRunner(path, method));
-  auto e = runner->module_.load();
+  // Verify the program's own FlatBuffer: a corrupt one must be an error here, not a crash in Init.
+  auto e = runner->module_.load(executorch::runtime::Program::Verification::InternalConsistency);
   if (e != executorch::runtime::Error::Ok) {
     *status = Status(e, error_text(("loading program " + path).c_str(), e));
     return nullptr;
@@ -61,6 +62,12 @@ std::unique_ptr<HostRunner> HostRunner::load(const std::string& path, const std:
 }
 
 Status HostRunner::run(const std::vector<HostTensor>& inputs, std::vector<HostTensor>* outputs) {
+  // Module::execute keeps the previous call's value of any input not given; refuse instead.
+  auto meta = module_.method_meta(method_);
+  if (!meta.ok()) return Status(meta.error(), error_text(("reading method '" + method_ + "'").c_str(), meta.error()));
+  if (inputs.size() != meta->num_inputs())
+    return Status(Error::InvalidArgument, "method '" + method_ + "' takes " + std::to_string(meta->num_inputs()) +
+                                              " inputs, got " + std::to_string(inputs.size()));
   std::vector<executorch::extension::TensorPtr> owned;  // alive until execute returns
   std::vector<EValue> values;
   owned.reserve(inputs.size());

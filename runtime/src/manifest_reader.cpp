@@ -1,5 +1,6 @@
 #include "manifest_reader.h"
 
+#include <algorithm>
 #include <set>
 
 #include "manifest_generated.h"
@@ -109,6 +110,12 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
     if (p->kind() == fb::LayerKind::Ring && p->window() == 0) return invalid(where + ": ring with window 0");
     if (p->kind() == fb::LayerKind::Flat && p->window() != 0) return invalid(where + ": flat layer with a window");
     if (p->num_heads() == 0 || p->head_dim() == 0) return invalid(where + ": zero heads or head dim");
+    // Far above any real model; past them a row's size is nonsense and allocations absurd.
+    if (p->num_heads() > 1024 || p->head_dim() > 4096)
+      return invalid(where + ": " + std::to_string(p->num_heads()) + " heads x " + std::to_string(p->head_dim()) +
+                     " head dim is out of range (at most 1024 x 4096)");
+    if (p->window() > m->capacity_bound())
+      return invalid(where + ": window " + std::to_string(p->window()) + " above capacity_bound");
     if (p->compiled_input() < out->num_user_inputs || p->compiled_input() >= num_inputs)
       return invalid(where + ": compiled_input " + std::to_string(p->compiled_input()) + " outside [" +
                      std::to_string(out->num_user_inputs) + ", " + std::to_string(num_inputs) + ")");
@@ -132,15 +139,46 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
   return Status::ok_status();
 }
 
-Status check_target(const std::string& target) {
-  if (target.rfind("cpu:", 0) != 0) return Status::ok_status();
-  const std::string isa = target.substr(4);
+Status check_target(const std::string& target, DeviceKind device) {
+  // Parsed strictly: an unknown target must not skip the check below.
+  const std::string expected = device == DeviceKind::CUDA ? "cuda:" : "cpu:";
+  if (target.compare(0, expected.size(), expected) != 0)
+    return Status(Error::InvalidProgram, "manifest: target '" + target + "' does not name the manifest's device ('" +
+                                             expected + "...' expected)");
+  const std::string isa = target.substr(expected.size());
+  if (device == DeviceKind::CUDA) {
+    const bool sm = isa.size() > 3 && isa.compare(0, 3, "sm_") == 0 &&
+                    isa.find_first_not_of("0123456789", 3) == std::string::npos && isa.size() <= 6;
+    if (!sm) return Status(Error::InvalidProgram, "manifest: target '" + target + "' is not 'cuda:sm_<digits>'");
+    return Status::ok_status();
+  }
+  // inductor names the ISA as a base ("avx512") plus extensions ("avx512_vnni", "amx_tile").
+  std::vector<std::string> parts;
+  for (size_t at = 0; at <= isa.size();) {
+    const size_t end = std::min(isa.find(' ', at), isa.size());
+    parts.push_back(isa.substr(at, end - at));
+    at = end + 1;
+  }
+  static const std::set<std::string> bases = {"avx512", "avx2", "scalar", "asimd", "neon", "vsx", "zvector"};
+  static const std::set<std::string> extensions = {"avx512_vnni", "amx_tile"};
+  if (!bases.count(parts[0])) return Status(Error::InvalidProgram, "manifest: target '" + target + "': unknown CPU vector ISA");
+  for (size_t i = 1; i < parts.size(); ++i)
+    if (!extensions.count(parts[i]))
+      return Status(Error::InvalidProgram, "manifest: target '" + target + "': unknown ISA extension '" + parts[i] + "'");
+  const std::string& base = parts[0];
   bool ok = true;
 #if defined(__x86_64__) || defined(__i386__)
-  if (isa.rfind("avx512", 0) == 0) ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  else if (isa.rfind("avx2", 0) == 0) ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (base == "avx512") ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  else if (base == "avx2") ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  else if (base != "scalar") ok = false;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (parts[i] == "avx512_vnni") ok = ok && __builtin_cpu_supports("avx512vnni");
+    if (parts[i] == "amx_tile") ok = ok && __builtin_cpu_supports("amx-tile");
+  }
+#elif defined(__aarch64__)
+  ok = parts.size() == 1 && (base == "scalar" || base == "asimd" || base == "neon");
 #else
-  if (isa.rfind("avx", 0) == 0) ok = false;
+  ok = parts.size() == 1 && base == "scalar";
 #endif
   if (!ok)
     return Status(Error::NotSupported, "compiled code targets " + target +

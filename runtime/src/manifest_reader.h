@@ -40,7 +40,8 @@ struct ManifestInfo {
 // the first problem found.
 Status read_manifest(const void* data, size_t size, ManifestInfo* out);
 
-// Whether code compiled for `target` (e.g. "cpu:avx512") can run here.
-Status check_target(const std::string& target);
+// Whether code compiled for `target` ("cpu:<isa>" or "cuda:sm_<NN>", matching
+// `device`) can run here; any other string is rejected.
+Status check_target(const std::string& target, DeviceKind device);
 
 }  // namespace offgraph_kv

@@ -153,6 +153,9 @@ PYBIND11_MODULE(_runtime, m) {
             return result;
           },
           py::arg("inputs"), "inputs: (data_ptr, sizes, dtype) of dense host tensors; returns (dtype, sizes, bytearray).");
+  m.def("last_error", &last_error,
+        "The last message the delegate failed with on this thread ('' if none since clear_last_error).");
+  m.def("clear_last_error", &clear_last_error);
   m.def("stores", &live_stores, "The stores of the methods loaded in this process, oldest first.");
   m.def(
       "set_options",

@@ -1,0 +1,145 @@
+"""Programs edited by someone else: a clear error, never a crash, a silent run or a leak.
+
+Each edit is made to a real exported toy program; a case that could take the
+process down runs in a child process, so a crash fails the test instead of the
+suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, Session, prompt
+from test_bad_programs import _load_error, _manifest_span, _patched, _step_width_value_offset
+
+
+@pytest.fixture(scope="module")
+def src(pte_factory) -> Path:
+    return pte_factory(storage_dtype=torch.bfloat16, initial_capacity=8)
+
+
+def _run_child(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    script = "import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n" % (str(REPO / "tests"), str(REPO / "examples" / "llama"))
+    return subprocess.run([sys.executable, "-c", script + textwrap.dedent(code), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_non_utf8_byte_in_the_code_key_is_an_escaped_error_not_an_abort(src, tmp_path):
+    data = src.read_bytes()
+    at, m, encoded = _manifest_span(data)
+    key_at = data.index(m.compiled_code_key.encode(), at)
+    assert key_at < at + len(encoded)
+    path = _patched(src, tmp_path / "key.pte", key_at + 15, b"\xff")
+    child = _run_child("""
+        import offgraph_kv.runtime
+        try:
+            offgraph_kv.runtime.load_method(sys.argv[1])
+        except RuntimeError:
+            print("REJECTED")
+    """, str(path))
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "REJECTED" in child.stdout
+    assert "\\xff" in child.stderr and "is not in the program's named data" in child.stderr
+
+
+def test_a_non_utf8_step_width_spec_is_an_escaped_error_not_an_abort(src, tmp_path):
+    path = _patched(src, tmp_path / "spec.pte", _step_width_value_offset(src.read_bytes()), b"\xff:1")
+    child = _run_child("""
+        import offgraph_kv.runtime
+        try:
+            offgraph_kv.runtime.load_method(sys.argv[1])
+        except RuntimeError:
+            print("REJECTED")
+    """, str(path))
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "REJECTED" in child.stdout and "\\xff:1" in child.stderr
+
+
+def test_a_flipped_byte_in_the_compiled_code_fails_the_load_naming_the_corruption(src, tmp_path, capfd):
+    data = src.read_bytes()
+    _, m, _ = _manifest_span(data)
+    # The code is the largest blob of the file; flip a byte in its middle.
+    elf = data.index(b"\x7fELF")
+    path = _patched(src, tmp_path / "code.pte", elf + 200_000, bytes([data[elf + 200_000] ^ 0x10]))
+    err = _load_error(path, capfd)
+    assert "the program is corrupt" in err and m.compiled_code_key in err
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("num_heads", lambda t: replace(t, num_heads=1)),
+    ("head_dim", lambda t: replace(t, head_dim=8)),
+], ids=["num_heads", "head_dim"])
+def test_a_manifest_disagreeing_with_the_compiled_code_fails_the_step_not_the_heap(src, tmp_path, field, edit):
+    data = src.read_bytes()
+    at, m, encoded = _manifest_span(data)
+    new = replace(m, tensors=[edit(t) if i == 0 else t for i, t in enumerate(m.tensors)]).to_bytes()
+    assert len(new) == len(encoded)
+    path = _patched(src, tmp_path / f"{field}.pte", at, new)
+    child = _run_child("""
+        import torch
+        from conftest import Session, prompt
+        s = Session(sys.argv[1])
+        for _ in range(3):
+            try:
+                s.step(prompt(3))
+                print("RAN")
+            except RuntimeError:
+                print("REJECTED", s.store.length)
+    """, str(path))
+    assert child.returncode == 0, f"child died ({child.returncode}): {child.stderr[-2000:]}"
+    assert child.stdout.split() == ["REJECTED", "0"] * 3
+    assert "compiled code failed" in child.stderr
+
+
+def test_load_and_drop_cycles_leak_neither_memory_nor_mapped_code(src):
+    child = _run_child("""
+        import gc, os
+        import torch
+        from conftest import Session, prompt
+
+        def rss_kib():
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) for l in f if l.startswith("VmRSS"))
+
+        def mapped_code():
+            with open("/proc/self/maps") as f:
+                return sum(1 for l in f if "offgraph_kv_" in l and "(deleted)" in l)
+
+        def cycle():
+            s = Session(sys.argv[1])
+            s.step(prompt(3))
+            del s
+            gc.collect()
+
+        for _ in range(5):
+            cycle()
+        base, base_maps = rss_kib(), mapped_code()
+        for _ in range(40):
+            cycle()
+        print(rss_kib() - base, base_maps, mapped_code(), os.path.getsize(sys.argv[1]))
+    """, str(src))
+    assert child.returncode == 0, child.stderr[-2000:]
+    grown_kib, first_maps, maps, size = map(int, child.stdout.split())
+    # The code is mapped once per process and reused by every later load (the old
+    # leak mapped a new copy per load, about the code's size each).
+    assert 0 < first_maps == maps, f"code mappings went from {first_maps} to {maps} over 40 load/drop cycles"
+    assert grown_kib * 1024 < 4 * size, f"RSS grew {grown_kib} KiB over 40 load/drop cycles of a {size}-byte program"
+
+
+def test_two_hundred_fuzzed_programs_never_crash_hang_or_run_with_other_logits(pte_factory, tmp_path):
+    from fuzz_programs import failures, fuzz
+
+    src = pte_factory(storage_dtype=torch.float32)
+    results = fuzz(src, seed=20261130, count=200)
+    summary = {k: dict(v) for k, v in results.items()}
+    assert sum(sum(c.values()) for c in results.values()) == 200
+    assert not failures(results), summary
+    # Every corrupted compiled code is caught by the digest, before anything runs.
+    for kind in ("code_bitflip", "code_byte"):
+        assert set(results.get(kind, {})) <= {"load"}, summary
