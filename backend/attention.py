@@ -62,6 +62,19 @@ def _storage_views(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor
     return q.to(compute), k_store.transpose(1, 2).to(compute), v_store.transpose(1, 2).to(compute)
 
 
+def _explicit_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                        mask: "torch.Tensor | None" = None) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Attention written out (and its fp32 log-sum-exp), for value head dims that
+    differ from the key's: torch's fused CPU kernels require them equal."""
+    logits = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    # A fully masked row (an empty ring slot band) has lse -inf: give it zeros, not NaN.
+    weights = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.matmul(weights, values.float()).to(q.dtype), lse
+
+
 def attend_masked(
     q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, mask: torch.Tensor, scale: float,
     out_dtype: torch.dtype,
@@ -70,8 +83,11 @@ def attend_masked(
     q, keys, values = _storage_views(q, k_store, v_store)
     hkv, t = keys.shape[1], q.shape[2]
     group = q.shape[1] // hkv
-    out = F.scaled_dot_product_attention(_fold_groups(q, hkv), keys, values, attn_mask=mask.repeat(group, 1),
-                                         scale=scale)
+    if values.shape[-1] != keys.shape[-1]:
+        out = _explicit_attention(_fold_groups(q, hkv), keys, values, scale, mask.repeat(group, 1))[0]
+    else:
+        out = F.scaled_dot_product_attention(_fold_groups(q, hkv), keys, values, attn_mask=mask.repeat(group, 1),
+                                             scale=scale)
     return _unfold_groups(out, q.shape[1], t).to(out_dtype)
 
 
@@ -83,6 +99,8 @@ def fused_attention_with_lse(
 
     What ``offgraph_kv::attend_with_lse`` decomposes into at compile time.
     """
+    if values.shape[-1] != keys.shape[-1]:
+        return _explicit_attention(q, keys, values, scale)
     if q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, None, True,
                                                                           scale=scale)[:2]
@@ -139,7 +157,8 @@ def attend_flat(
     Lower-right causal: query i (position S - T + i) sees rows up to S - T + i.
     """
     q, keys, values = _storage_views(q, k_store, v_store)
-    if q.dtype != torch.float32:  # 16-bit attention: CUDA only (attention_dtype)
+    # 16-bit attention: CUDA only (attention_dtype); flash needs one head dim for k and v.
+    if q.dtype != torch.float32 and values.shape[-1] == keys.shape[-1]:
         return torch.ops.offgraph_kv.attend_causal(q, keys, values, scale).to(out_dtype)
     _, hq, t, _ = q.shape
     s, hkv = keys.shape[2], keys.shape[1]

@@ -15,7 +15,7 @@ from torch.export import Dim, ExportedProgram
 
 from offgraph_kv.backend.aoti_compile import compile_shared_object, target_of
 from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError, find_sites
-from offgraph_kv.backend.compile_specs import BackendSpecs
+from offgraph_kv.backend.compile_specs import BackendSpecs, StepWidth
 from offgraph_kv.backend.edge_to_aten import edge_to_aten
 from offgraph_kv.backend.private_tensors import (
     PrivateTensorProgram,
@@ -68,18 +68,21 @@ def _examples_and_dims(
     return examples, shapes
 
 
-def describe_inputs(ep: ExportedProgram, inputs: List[torch.fx.Node], width: "int | torch.SymInt") -> List[UserInput]:
+def describe_inputs(ep: ExportedProgram, inputs: List[torch.fx.Node], width: "int | torch.SymInt",
+                    locator: StepWidth) -> List[UserInput]:
     """What the runtime checks of every delegate input before a step: dtype, rank,
-    static extents, which dims carry the step width, bounds of other dynamic dims."""
+    static extents, which dims carry the step width, bounds of other dynamic dims.
+    A static width is carried by the locator's dim alone (every dim is checked)."""
     out = []
-    for node in inputs:
+    for i, node in enumerate(inputs):
         val = node.meta["val"]
         if val.dtype not in SCALAR_TYPES:
             raise LoweringError(f"input {node.name}: dtype {val.dtype} is not supported as a delegate input")
         dims = []
-        for size in val.shape:
+        for d, size in enumerate(val.shape):
             if not isinstance(size, torch.SymInt):
-                dims.append(InputDim("static", int(size)))
+                located = (i, d) == (locator.input_index, locator.dim)
+                dims.append(InputDim("width", 0) if located else InputDim("static", int(size)))
             elif isinstance(width, torch.SymInt) and size.node.expr == width.node.expr:
                 dims.append(InputDim("width", 0))
             else:
@@ -161,13 +164,13 @@ class OffGraphKVBackend(BackendDetails):
         # that does not name a step-width dim here is an error, never a run.
         from offgraph_kv.partitioner.step_width import locate  # the partitioner package imports this one
 
-        locate(sites, [n.name for n in inputs], [n.meta["val"].shape for n in inputs], specs.step_width)
+        locator = locate(sites, [n.name for n in inputs], [n.meta["val"].shape for n in inputs], specs.step_width)
         width = sites[0].width
         width_bound = int(edge_program.range_constraints[width.node.expr].upper) if isinstance(width, torch.SymInt) \
             else int(width)
         if not 1 <= specs.max_write <= width_bound:
             raise LoweringError(f"max_write {specs.max_write} must be in [1, {width_bound}] (the export bound of the step width)")
-        described = describe_inputs(edge_program, inputs, width)
+        described = describe_inputs(edge_program, inputs, width, locator)
 
         device = specs.device
         if device == "cuda":

@@ -38,6 +38,13 @@ class CacheOpSite:
     out_dtype: torch.dtype
 
 
+def same_size(a: object, b: object) -> bool:
+    """Two extents are the same symbol or the same number (no guard is added)."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+    return a == b
+
+
 def _shape(node: fx.Node, arg: object, what: str) -> torch.Size:
     if not isinstance(arg, fx.Node) or not isinstance(arg.meta.get("val"), torch.Tensor):
         raise LoweringError(f"{node.name}: argument {what} is not a tensor")
@@ -63,16 +70,15 @@ def read_site(node: fx.Node) -> CacheOpSite:
         raise LoweringError(
             f"{node.name} (layer {layer_id}): {qs[1]} query heads is not a multiple of {ks[1]} KV heads"
         )
-    if ks[1] != vs[1] or qs[3] != ks[3]:
+    # v may have its own head dim (the op allows it, e.g. MLA); heads and steps must match.
+    if ks[1] != vs[1] or qs[3] != ks[3] or not (same_size(qs[2], ks[2]) and same_size(ks[2], vs[2])):
         raise LoweringError(f"{node.name} (layer {layer_id}): k {list(ks)} and v {list(vs)} do not match q {list(qs)}")
-    if vs[3] != ks[3]:
-        raise LoweringError(f"{node.name} (layer {layer_id}): v head dim {vs[3]} differs from k head dim {ks[3]}; not supported")
+    if isinstance(vs[3], torch.SymInt):
+        raise LoweringError(f"{node.name} (layer {layer_id}): v head dim must be static")
     # The op's contract: position is [q_len, n_dims] ints, one row per query token.
     # This store appends at its committed length (as the reference cache does),
     # so it reads no position values, but the layout must still be the op's.
-    same_t = ps[0] is qs[2] or (isinstance(ps[0], torch.SymInt) and isinstance(qs[2], torch.SymInt)
-                                and ps[0].node.expr == qs[2].node.expr) or ps[0] == qs[2]
-    if len(ps) != 2 or not same_t or isinstance(ps[1], torch.SymInt):
+    if len(ps) != 2 or not same_size(ps[0], qs[2]) or isinstance(ps[1], torch.SymInt):
         raise LoweringError(
             f"{node.name} (layer {layer_id}): position must be [T, n_dims] with T = {qs[2]} query tokens "
             f"(e.g. [T, 1]: positions.reshape(-1, 1)), got {list(ps)}"

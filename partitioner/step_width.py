@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch.export import ExportedProgram
 
-from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError
+from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError, same_size
 from offgraph_kv.backend.compile_specs import StepWidth
 
 
@@ -54,16 +54,6 @@ def _listing(names: Sequence[str], shapes: Sequence[Optional[torch.Size]]) -> st
                      for i, (n, s) in enumerate(zip(names, shapes)))
 
 
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        return (
-            isinstance(a, torch.SymInt)
-            and isinstance(b, torch.SymInt)
-            and a.node.expr == b.node.expr
-        )
-    return a == b
-
-
 def locate(sites: Sequence[CacheOpSite], input_names: Sequence[str], input_shapes: Sequence[Optional[torch.Size]],
            given: "str | StepWidth | None") -> StepWidth:
     """Derive the locator from the inputs' shapes, or check the one given.
@@ -74,7 +64,7 @@ def locate(sites: Sequence[CacheOpSite], input_names: Sequence[str], input_shape
     inputs = f"the delegate's inputs, in the runtime's order, are [{_listing(input_names, input_shapes)}]"
     width = sites[0].width
     for s in sites[1:]:
-        if not _same(s.width, width):
+        if not same_size(s.width, width):
             raise LoweringError(
                 f"{s.node.name}: step width {s.width} differs from {sites[0].node.name}'s {width}; "
                 "every layer must see the same step"
@@ -88,7 +78,7 @@ def locate(sites: Sequence[CacheOpSite], input_names: Sequence[str], input_shape
         shape = input_shapes[loc.input_index]
         if loc.dim >= len(shape):
             raise LoweringError(f"step_width '{loc}': input {loc.input_index} has only {len(shape)} dims; {inputs}")
-        if not _same(shape[loc.dim], width):
+        if not same_size(shape[loc.dim], width):
             raise LoweringError(
                 f"step_width '{loc}': input {loc.input_index} dim {loc.dim} has extent {shape[loc.dim]}, "
                 f"but the cache op's step width is {width}; {inputs}"
@@ -99,15 +89,12 @@ def locate(sites: Sequence[CacheOpSite], input_names: Sequence[str], input_shape
         for i, shape in enumerate(input_shapes)
         if shape is not None
         for d, size in enumerate(shape)
-        if _same(size, width)
+        if same_size(size, width)
     ]
     if not matches:
         raise LoweringError(
             f"no delegate input has a dimension equal to the step width {width}; {inputs}"
         )
-    if not isinstance(width, torch.SymInt) and len(matches) > 1:
-        raise LoweringError(
-            f"the step width is the static {width} and several inputs match ({', '.join(map(str, matches))}); "
-            f"pass step_width='input_index:dim'; {inputs}"
-        )
+    # A static width (a decode-only export) may match several dims; any of them
+    # reads the same extent, and the runtime checks every static dim anyway.
     return matches[0]

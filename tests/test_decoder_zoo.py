@@ -46,6 +46,12 @@ ZOO: List[Entry] = [
     Entry("heterogeneous_layers_row_positions", RowPositions, MIXED, ("tokens", "pos"), positions="row",
           layers=(FLAT, RING, FLAT),
           what="layers with different query/KV heads and head dims; HF-style [1, T] position ids"),
+    Entry("value_head_dim_of_its_own_fused_qkv", PosFirst,
+          ZooConfig(layers=(LayerShape(4, 2, 12, v_head_dim=8),) * 2, fused_qkv=True), ("pos", "tokens"),
+          what="values with their own head dim (8, keys 12, as MLA-style attention has) out of a fused QKV"),
+    Entry("decode_only_static_width", PosFirst, ZooConfig(), ("pos", "tokens"), static_width=True,
+          layers=(RING,), storage=torch.bfloat16,
+          what="exported for one-token steps only (no dynamic dim); prefill token by token; ring layers, bf16 KV"),
     Entry("row_positions_passed_to_the_op", RowPositionsToOp, ZooConfig(), ("tokens", "pos"), positions="row",
           export_error="position must be [T, n_dims]",
           what="[1, T] positions handed to the op, whose contract is [T, n_dims]"),
@@ -55,11 +61,10 @@ BY_NAME = {e.name: e for e in ZOO}
 
 def lower_entry(entry: Entry) -> bytes:
     model = entry.model()
-    ep = torch.export.export(model, entry.inputs(torch.zeros(1, 4, dtype=torch.long), 0),
-                             dynamic_shapes=entry.dynamic_shapes(MAX_WRITE))
+    ep = torch.export.export(model, entry.example(), dynamic_shapes=entry.dynamic_shapes(MAX_WRITE))
     # A small initial capacity so that generation grows flat storage twice.
-    part = OffGraphKVPartitioner(storage_dtype=entry.storage, layers=entry.layers, max_write=MAX_WRITE,
-                                 initial_capacity=6)
+    part = OffGraphKVPartitioner(storage_dtype=entry.storage, layers=entry.layers,
+                                 max_write=1 if entry.static_width else MAX_WRITE, initial_capacity=6)
     return to_edge_transform_and_lower(ep, partitioner=[part]).to_executorch().buffer
 
 
@@ -115,9 +120,9 @@ class ZooOracle:
 
 
 def generate(step: Callable[[torch.Tensor], List[torch.Tensor]], prompt: torch.Tensor,
-             n: int) -> Tuple[List[int], List[List[torch.Tensor]]]:
-    """Prefill in chunks of at most MAX_WRITE, then n greedy decode steps."""
-    outs = [step(prompt[:, i:i + MAX_WRITE]) for i in range(0, prompt.shape[1], MAX_WRITE)]
+             n: int, chunk: int = MAX_WRITE) -> Tuple[List[int], List[List[torch.Tensor]]]:
+    """Prefill in chunks of at most ``chunk`` tokens, then n greedy decode steps."""
+    outs = [step(prompt[:, i:i + chunk]) for i in range(0, prompt.shape[1], chunk)]
     ids = []
     for _ in range(n):
         ids.append(int(last_logits(outs[-1]).argmax()))
@@ -136,8 +141,9 @@ def test_zoo_decoder_generates_the_oracle_tokens(name: str, zoo_pte: Callable[[s
     oracle = ZooOracle(entry, f"zoo-{name}")
     # 11 prompt tokens (chunks of 8 + 3) then 12 decode steps: the ring (window 5,
     # 12 slots) wraps, and flat storage grows past its initial capacity when asked.
-    got, got_outs = generate(session.step, prompt_for(entry), 12)
-    want, want_outs = generate(oracle.step, prompt_for(entry), 12)
+    chunk = 1 if entry.static_width else MAX_WRITE
+    got, got_outs = generate(session.step, prompt_for(entry), 12, chunk)
+    want, want_outs = generate(oracle.step, prompt_for(entry), 12, chunk)
     assert got == want, f"{name}: greedy tokens differ from the oracle's"
     tol = 1e-4 if entry.storage == torch.float32 else 2e-2
     for i, (g, w) in enumerate(zip(got_outs, want_outs)):
@@ -157,8 +163,7 @@ def test_zoo_decoder_outside_the_op_contract_fails_at_export_naming_the_fix(name
 
 def test_delegate_inputs_are_listed_in_the_order_step_width_indexes() -> None:
     entry = BY_NAME["rope_before_embedding_last_logits"]
-    ep = torch.export.export(entry.model(), entry.inputs(torch.zeros(1, 4, dtype=torch.long), 0),
-                             dynamic_shapes=entry.dynamic_shapes(MAX_WRITE))
+    ep = torch.export.export(entry.model(), entry.example(), dynamic_shapes=entry.dynamic_shapes(MAX_WRITE))
     names = [n for n, _ in OffGraphKVPartitioner().delegate_inputs(ep)]
     # The model takes (tokens, pos) but uses pos first: the delegate takes (pos, tokens).
     assert names == ["pos", "tokens"]
@@ -166,8 +171,7 @@ def test_delegate_inputs_are_listed_in_the_order_step_width_indexes() -> None:
 
 def test_a_step_width_naming_a_dim_that_is_not_the_width_is_refused_at_export_listing_the_inputs() -> None:
     entry = BY_NAME["pos_first"]
-    ep = torch.export.export(entry.model(), entry.inputs(torch.zeros(1, 4, dtype=torch.long), 0),
-                             dynamic_shapes=entry.dynamic_shapes(MAX_WRITE))
+    ep = torch.export.export(entry.model(), entry.example(), dynamic_shapes=entry.dynamic_shapes(MAX_WRITE))
     with pytest.raises(LoweringError, match=r"step_width '1:0'.*0: pos \[s\d+, 1\], 1: tokens \[1, s\d+\]"):
         to_edge_transform_and_lower(ep, partitioner=[OffGraphKVPartitioner(step_width="1:0")])
 

@@ -26,6 +26,11 @@ class LayerShape:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    v_head_dim: int = 0  # 0: head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
 
 @dataclass(frozen=True)
@@ -61,12 +66,12 @@ class ZooAttention(nn.Module):
         super().__init__()
         s = cfg.layers[layer_id]
         self.layer_id, self.s = layer_id, s
-        q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        q, kv, vv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.v_dim
         if cfg.fused_qkv:
-            self.qkv = nn.Linear(cfg.dim, q + 2 * kv, bias=True)
+            self.qkv = nn.Linear(cfg.dim, q + kv + vv, bias=True)
         else:
-            self.q, self.k, self.v = (nn.Linear(cfg.dim, n, bias=False) for n in (q, kv, kv))
-        self.o = nn.Linear(q, cfg.dim, bias=False)
+            self.q, self.k, self.v = (nn.Linear(cfg.dim, n, bias=False) for n in (q, kv, vv))
+        self.o = nn.Linear(s.n_heads * s.v_dim, cfg.dim, bias=False)
         self.fused = cfg.fused_qkv
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, op_pos: torch.Tensor) -> torch.Tensor:
@@ -74,12 +79,12 @@ class ZooAttention(nn.Module):
         s = self.s
         if self.fused:
             q, k, v = self.qkv(x).split([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim,
-                                          s.n_kv_heads * s.head_dim], dim=-1)
+                                          s.n_kv_heads * s.v_dim], dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
         q = q.view(1, t, s.n_heads, s.head_dim).transpose(1, 2)
         k = k.view(1, t, s.n_kv_heads, s.head_dim).transpose(1, 2)
-        v = v.view(1, t, s.n_kv_heads, s.head_dim).transpose(1, 2)
+        v = v.view(1, t, s.n_kv_heads, s.v_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = torch.ops.kvcache.update_and_attend(q, k, v, op_pos, self.layer_id, s.head_dim ** -0.5, x.dtype)
@@ -212,6 +217,7 @@ class Entry:
     storage: torch.dtype = torch.float32
     what: str = ""
     export_error: str = ""          # a substring of the expected export error, if export must fail
+    static_width: bool = False      # exported for one-token steps only (a decode-only program)
     extras: Dict[str, float] = field(default_factory=dict)
 
     def model(self) -> ZooCore:
@@ -227,7 +233,12 @@ class Entry:
         }
         return tuple(values[n] for n in self.order)
 
-    def dynamic_shapes(self, max_write: int) -> Tuple[object, ...]:
+    def example(self) -> Tuple[torch.Tensor, ...]:
+        return self.inputs(torch.zeros(1, 1 if self.static_width else 4, dtype=torch.long), 0)
+
+    def dynamic_shapes(self, max_write: int) -> "Tuple[object, ...] | None":
+        if self.static_width:
+            return None
         t = torch.export.Dim("t", min=1, max=max_write)
         dims = {"tokens": {1: t}, "cos": {0: t}, "sin": {0: t}, "flag": None, "scale": None,
                 "pos": {"column": {0: t}, "flat": {0: t}, "row": {1: t}}[self.positions]}
@@ -245,13 +256,13 @@ class PerLayerReference:
                                                  capacity=capacity, dtype=dtype, layers=(pol[i],)))
             for i, s in enumerate(cfg.layers)
         ]
+        # The reference appends to an empty history shaped by its one head_dim;
+        # a value head dim of its own (which the op allows) needs its own.
+        for c, s in zip(self.caches, cfg.layers):
+            c._v[0] = torch.zeros(1, s.n_kv_heads, 0, s.v_dim, dtype=dtype)
 
     def update_and_fetch(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor):  # noqa: ANN201
         return self.caches[layer_id].update_and_fetch(0, k, v, position)
-
-    def reset(self) -> None:
-        for c in self.caches:
-            c.reset()
 
 
 def outputs(result: object) -> List[torch.Tensor]:
