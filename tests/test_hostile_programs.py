@@ -143,3 +143,12 @@ def test_two_hundred_fuzzed_programs_never_crash_hang_or_run_with_other_logits(p
     # Every corrupted compiled code is caught by the digest, before anything runs.
     for kind in ("code_bitflip", "code_byte"):
         assert set(results.get(kind, {})) <= {"load"}, summary
+
+
+def test_host_method_refuses_a_wrong_number_of_inputs_instead_of_reusing_the_last_ones(src):
+    from offgraph_kv.runtime import HostMethod
+
+    method = HostMethod(src)
+    method.execute([prompt(3), torch.arange(3).unsqueeze(-1)])
+    with pytest.raises(RuntimeError, match="takes 2 inputs, got 1"):
+        method.execute([prompt(1)])
