@@ -186,10 +186,6 @@ Binding KVStore::binding(size_t i) const {
   return {data_of(i), int64_t(length_ + pending_)};
 }
 
-const void* KVStore::row_data(size_t i, size_t row) const {
-  return static_cast<const char*>(data_of(i)) + row * tensors_[i].row_bytes();
-}
-
 Status KVStore::reset(bool release_memory) {
   pending_ = 0;
   length_ = 0;

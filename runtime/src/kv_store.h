@@ -15,31 +15,12 @@
 #include <vector>
 
 #include "device_memory.h"
-#include "growth.h"
+#include "growth_policy.h"
 #include "status.h"
 #include "storage_dtype.h"
+#include "tensor_spec.h"
 
 namespace offgraph_kv {
-
-enum class LayerKind : int8_t { Flat = 0, Ring = 1 };
-enum class TensorRole : int8_t { Key = 0, Value = 1 };
-
-struct TensorSpec {
-  uint32_t layer = 0;
-  TensorRole role = TensorRole::Key;
-  LayerKind kind = LayerKind::Flat;
-  uint32_t window = 0;
-  uint32_t num_heads = 0;
-  uint32_t head_dim = 0;
-  StorageDType dtype = StorageDType::BFloat16;
-  uint32_t compiled_input = 0;
-
-  size_t row_bytes() const { return size_t(num_heads) * head_dim * element_size(dtype); }
-};
-
-// K and V specs of `layers` flat layers, bound from compiled input `first_input` on.
-std::vector<TensorSpec> flat_layer_specs(size_t layers, uint32_t heads, uint32_t head_dim, StorageDType dtype,
-                                         uint32_t first_input);
 
 // What the compiled code sees for one private tensor: [1, rows, H, D], dense.
 struct Binding {
@@ -82,7 +63,8 @@ class KVStore {
   // Forget the prepared step (its rows were never committed).
   void abort_step();
 
-  // The view the compiled code binds for tensor i during a prepared step.
+  // The view the compiled code binds for tensor i during a prepared step (idle:
+  // the committed rows).
   Binding binding(size_t i) const;
 
   // Drop the history; with release_memory, shrink back to the initial allocation.
@@ -92,11 +74,8 @@ class KVStore {
   void record_host_time(uint64_t ns) { host_ns_ += ns; }
   size_t length() const { return length_; }
   size_t capacity() const { return capacity_; }
-  size_t pending_width() const { return pending_; }
   const std::vector<TensorSpec>& tensors() const { return tensors_; }
   const GrowthPolicy& policy() const { return policy_; }
-  // Read committed row `row` of tensor i (host memory only; for tests).
-  const void* row_data(size_t i, size_t row) const;
 
  private:
   KVStore(std::vector<TensorSpec> tensors, GrowthPolicy policy, size_t max_write,

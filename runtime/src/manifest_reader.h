@@ -7,7 +7,8 @@
 #include <vector>
 
 #include "input_spec.h"
-#include "kv_store.h"
+#include "growth_policy.h"
+#include "tensor_spec.h"
 #include "status.h"
 
 namespace offgraph_kv {

@@ -12,8 +12,8 @@
 #include <utility>
 
 #include "compiled_program.h"
+#include "copy_mode.h"
 #include "device_memory.h"
-#include "manifest_reader.h"
 #include "status.h"
 
 namespace offgraph_kv {
@@ -47,23 +47,6 @@ inline void describe_length(void* data, TensorDesc* d) {
   d->dtype = int32_t(AotiDType::Int64);
   d->sizes = {1};
   d->strides = {1};
-}
-
-// How a CUDA store submits the per-tensor copies of one growth. Auto is the
-// fastest this build has: one copy-kernel launch when it was built with nvcc,
-// else one cudaMemcpyBatchAsync. The others stay for side-by-side benchmarks.
-enum class CopyMode { Auto, Kernel, Batch, EachCall };
-// "auto", "kernel", "batch" or "each"; false for anything else.
-inline bool parse_copy_mode(const std::string& name, CopyMode* mode) {
-  static const std::pair<const char*, CopyMode> names[] = {
-      {"auto", CopyMode::Auto}, {"kernel", CopyMode::Kernel}, {"batch", CopyMode::Batch}, {"each", CopyMode::EachCall}};
-  for (const auto& [n, m] : names) {
-    if (name == n) {
-      *mode = m;
-      return true;
-    }
-  }
-  return false;
 }
 
 std::unique_ptr<StepIO> host_step_io();

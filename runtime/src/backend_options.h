@@ -8,7 +8,7 @@
 #include <executorch/runtime/backend/options.h>
 #include <executorch/runtime/core/span.h>
 
-#include "growth.h"
+#include "growth_policy.h"
 #include "status.h"
 
 namespace offgraph_kv {

@@ -1,4 +1,4 @@
-#include "growth.h"
+#include "growth_policy.h"
 
 #include <algorithm>
 #include <cmath>

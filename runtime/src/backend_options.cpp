@@ -1,4 +1,4 @@
-#include "load_policy.h"
+#include "backend_options.h"
 
 #include <cstdlib>
 #include <cstring>

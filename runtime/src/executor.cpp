@@ -1,0 +1,157 @@
+#include "executor.h"
+
+#include <executorch/runtime/core/exec_aten/util/tensor_util.h>
+
+#include <chrono>
+#include <string>
+
+#include "input_spec.h"
+
+namespace offgraph_kv {
+
+using executorch::aten::SizesType;
+using executorch::aten::Tensor;
+using executorch::runtime::EValue;
+using executorch::runtime::Span;
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Pairs prepare_step with commit or abort on every exit of a step.
+class StepGuard {
+ public:
+  explicit StepGuard(KVStore& store) : store_(store) {}
+  ~StepGuard() {
+    if (!committed_) store_.abort_step();
+  }
+  void commit() {
+    store_.commit_step();
+    committed_ = true;
+  }
+
+ private:
+  KVStore& store_;
+  bool committed_ = false;
+};
+
+Status copy_output(StepIO& io, size_t index, const OutputView& out, EValue* value) {
+  if (!value->isTensor()) return Status(Error::InvalidArgument, "output " + std::to_string(index) + " is not a tensor");
+  Tensor t = value->toTensor();
+  if (static_cast<int32_t>(t.scalar_type()) != out.dtype)
+    return Status(Error::InvalidArgument, "output " + std::to_string(index) + ": compiled dtype " +
+                                              std::to_string(out.dtype) + " differs from the method's " +
+                                              std::to_string(int(t.scalar_type())));
+  std::vector<SizesType> sizes(out.sizes.begin(), out.sizes.end());
+  if (executorch::runtime::resize_tensor(t, {sizes.data(), sizes.size()}) != Error::Ok)
+    return Status(Error::InvalidArgument, "output " + std::to_string(index) + " cannot take the compiled shape");
+  return io.fetch_output(out, t.mutable_data_ptr(), t.nbytes());
+}
+
+std::unique_ptr<StepIO> io_for(DeviceKind device, Status* status) {
+  if (device == DeviceKind::CPU) return host_step_io();
+  return cuda_step_io(status);
+}
+
+}  // namespace
+
+std::unique_ptr<StepExecutor> StepExecutor::create(const ManifestInfo& manifest, StepWidthLocator width_at,
+                                                   std::unique_ptr<CompiledProgram> program,
+                                                   const GrowthPolicy& policy, Status* status) {
+  std::unique_ptr<StepExecutor> ex(new StepExecutor());
+  ex->manifest_ = manifest;
+  ex->width_at_ = width_at;
+  ex->program_ = std::move(program);
+  ex->io_ = io_for(manifest.device, status);
+  if (!ex->io_) return nullptr;
+  std::unique_ptr<KVStore> store = KVStore::create(manifest.tensors, policy, manifest.max_write, ex->io_->memory(), status);
+  if (!store) return nullptr;
+  ex->store_ = std::move(store);
+  ex->inputs_.resize(manifest.num_compiled_inputs());
+  // Dtype, heads and head dim of every private tensor never change: describe
+  // them once; a step only rebinds the pointer and the row count.
+  for (const TensorSpec& t : ex->store_->tensors()) {
+    TensorDesc& d = ex->inputs_[t.compiled_input];
+    d.dtype = aoti_dtype(t.dtype);
+    d.sizes = {1, 0, int64_t(t.num_heads), int64_t(t.head_dim)};
+    d.strides = {0, int64_t(t.num_heads) * t.head_dim, int64_t(t.head_dim), 1};
+  }
+  *status = Status::ok_status();
+  return ex;
+}
+
+Status StepExecutor::check_inputs(Span<EValue*> args, size_t* width) const {
+  const ManifestInfo& m = manifest_;
+  if (args.size() != size_t(m.num_user_inputs) + m.num_outputs)
+    return Status(Error::InvalidArgument, "expected " + std::to_string(m.num_user_inputs) + " inputs and " +
+                                              std::to_string(m.num_outputs) + " outputs, got " +
+                                              std::to_string(args.size()) + " values");
+  // The width is the extent of the input the compile spec names: shape only.
+  const StepWidthLocator& at = width_at_;
+  if (!args[at.input_index]->isTensor())
+    return Status(Error::InvalidArgument, "step_width input " + std::to_string(at.input_index) + " is not a tensor");
+  const Tensor width_input = args[at.input_index]->toTensor();
+  if (at.dim >= size_t(width_input.dim()))
+    return Status(Error::InvalidArgument, "step_width names dim " + std::to_string(at.dim) + " of input " +
+                                              std::to_string(at.input_index) + ", which has " +
+                                              std::to_string(width_input.dim()) + " dims");
+  *width = size_t(width_input.size(at.dim));
+  if (*width < 1 || *width > m.max_write)
+    return Status(Error::InvalidArgument, "step width " + std::to_string(*width) + " (input " +
+                                              std::to_string(at.input_index) + " dim " + std::to_string(at.dim) +
+                                              ") outside [1, max_write=" + std::to_string(m.max_write) + "]");
+  // Every input as compiled, before anything grows or is bound: the compiled
+  // code trusts the shapes it is handed.
+  for (size_t i = 0; i < m.num_user_inputs; ++i) {
+    if (!args[i]->isTensor()) return Status(Error::InvalidArgument, "input " + std::to_string(i) + " is not a tensor");
+    const Tensor t = args[i]->toTensor();
+    Status c = check_input(i, m.inputs[i], int(t.scalar_type()), t.sizes().data(), size_t(t.dim()), *width);
+    if (!c.ok()) return c;
+  }
+  return Status::ok_status();
+}
+
+Status StepExecutor::run_prepared(Span<EValue*> args, int64_t* run_ns) {
+  const ManifestInfo& m = manifest_;
+  Status s;
+  for (size_t i = 0; i < m.num_user_inputs; ++i)
+    if (!(s = io_->stage_input(i, args[i]->toTensor(), &inputs_[i])).ok()) return s;
+  const auto& tensors = store_->tensors();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const Binding b = store_->binding(i);
+    TensorDesc& d = inputs_[tensors[i].compiled_input];
+    d.data = b.data;
+    d.sizes[1] = b.rows;
+    d.strides[0] = b.rows * d.strides[1];
+  }
+  if (m.has_length_input && !(s = io_->stage_length(int64_t(store_->length()), &inputs_[m.length_input])).ok())
+    return s;
+  const int64_t start = now_ns();
+  s = program_->run(
+      inputs_, io_->stream(),
+      [&](size_t i, const OutputView& out) { return copy_output(*io_, i, out, args[m.num_user_inputs + i]); },
+      [&]() { return io_->finish(); });
+  *run_ns = now_ns() - start;
+  return s;
+}
+
+Status StepExecutor::execute(Span<EValue*> args) {
+  size_t width = 0;
+  Status s = check_inputs(args, &width);
+  if (!s.ok()) return s;
+  const int64_t start = now_ns();
+  KVStore& store = *store_;
+  if (!(s = store.prepare_step(width)).ok()) return s;
+  StepGuard step(store);
+  int64_t run_ns = 0;
+  if (!(s = run_prepared(args, &run_ns)).ok()) return s;
+  step.commit();
+  // Host work of the step (prepare, stage, bind, commit), apart from the compiled code and its output copy.
+  store.record_host_time(uint64_t(now_ns() - start - run_ns));
+  return Status::ok_status();
+}
+
+}  // namespace offgraph_kv

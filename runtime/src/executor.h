@@ -1,0 +1,55 @@
+// StepExecutor: one loaded method's step, from ExecuTorch's arguments to a
+// committed step (the delegate's execute is glue around it):
+//
+//   read the width (the locator's extent) -> check every input (manifest)
+//   -> prepare_step(width) -> stage inputs -> bind private tensors
+//   -> run the compiled code -> commit_step
+//
+// A failure before prepare_step changes nothing; after it, StepGuard aborts
+// the step, so the store keeps its length and every committed row.
+#pragma once
+
+#include <executorch/runtime/core/evalue.h>
+#include <executorch/runtime/core/span.h>
+
+#include <memory>
+#include <vector>
+
+#include "compiled_program.h"
+#include "growth_policy.h"
+#include "kv_store.h"
+#include "manifest_reader.h"
+#include "status.h"
+#include "step_io.h"
+#include "step_width.h"
+
+namespace offgraph_kv {
+
+class StepExecutor {
+ public:
+  // Takes the loaded program; makes the step I/O for the manifest's device and
+  // the store with `policy`.
+  static std::unique_ptr<StepExecutor> create(const ManifestInfo& manifest, StepWidthLocator width_at,
+                                              std::unique_ptr<CompiledProgram> program, const GrowthPolicy& policy,
+                                              Status* status);
+  // args: the delegate's inputs, then its outputs (ExecuTorch's order).
+  Status execute(executorch::runtime::Span<executorch::runtime::EValue*> args);
+  const std::shared_ptr<KVStore>& store() const { return store_; }
+
+ private:
+  StepExecutor() = default;
+  // The step's width, and every input checked against what was compiled.
+  Status check_inputs(executorch::runtime::Span<executorch::runtime::EValue*> args, size_t* width) const;
+  // Binds inputs, private tensors and the length; runs; copies outputs out
+  // (`run_ns`: the compiled code's share, for host-time accounting).
+  Status run_prepared(executorch::runtime::Span<executorch::runtime::EValue*> args, int64_t* run_ns);
+
+  ManifestInfo manifest_;
+  StepWidthLocator width_at_;
+  std::unique_ptr<CompiledProgram> program_;
+  std::unique_ptr<StepIO> io_;      // declared before the store: storage is freed on its stream first
+  std::shared_ptr<KVStore> store_;
+  std::vector<TensorDesc> inputs_;  // reused every step: no per-step allocation
+};
+
+}  // namespace offgraph_kv
