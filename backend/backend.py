@@ -22,6 +22,7 @@ from offgraph_kv.backend.private_tensors import (
     bind_private_tensors,
     private_tensor_examples,
 )
+from offgraph_kv.backend.step_width import locate
 from offgraph_kv.backend.storage_omission import prove_storage_omission
 from offgraph_kv.schemas.manifest import SCALAR_TYPES, InputDim, Manifest, PrivateTensor, UserInput
 
@@ -162,8 +163,6 @@ class OffGraphKVBackend(BackendDetails):
         # The partitioner predicted the delegate's input order; these are the
         # inputs as lowered, in the order the runtime passes them. A locator
         # that does not name a step-width dim here is an error, never a run.
-        from offgraph_kv.partitioner.step_width import locate  # the partitioner package imports this one
-
         locator = locate(sites, [n.name for n in inputs], [n.meta["val"].shape for n in inputs], specs.step_width)
         width = sites[0].width
         width_bound = int(edge_program.range_constraints[width.node.expr].upper) if isinstance(width, torch.SymInt) \

@@ -32,7 +32,8 @@ from typing import Dict, List
 
 import torch
 
-import offgraph_kv.runtime as rt
+# Benchmark hooks: build with -C cmake.define.OFFGRAPH_KV_BENCHMARKS=ON (h200_setup.sh does).
+from offgraph_kv.runtime import _bench
 
 # 32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of KV per token.
 SHAPE = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
@@ -79,7 +80,7 @@ def growth_rows(copy_mode: str = "kernel", sizes: "tuple[int, ...]" = (1024, 409
                 fresh_memory: bool = True) -> List[Dict[str, object]]:
     rows = []
     for before in sizes:
-        t = rt._runtime.time_growth("cuda", SHAPE["layers"], SHAPE["kv_heads"], SHAPE["head_dim"], SHAPE["dtype"],
+        t = _bench.time_growth("cuda", SHAPE["layers"], SHAPE["kv_heads"], SHAPE["head_dim"], SHAPE["dtype"],
                                     before, 2 * before, 5, copy_mode, fresh_memory)
         copied = t["bytes_copied"]
         single, streaming = one_memcpy_seconds(copied), memcpy_seconds(copied)
@@ -113,9 +114,9 @@ def grid_rows(blocks_per_sm: "tuple[int, ...]" = (2, 4, 6, 8, 12, 16, 24, 32),
     rows = []
     try:
         for n in blocks_per_sm:
-            grid = rt._runtime.set_copy_kernel_grid(n)
+            grid = _bench.set_copy_kernel_grid(n)
             for before in sizes:
-                t = rt._runtime.time_growth("cuda", SHAPE["layers"], SHAPE["kv_heads"], SHAPE["head_dim"],
+                t = _bench.time_growth("cuda", SHAPE["layers"], SHAPE["kv_heads"], SHAPE["head_dim"],
                                             SHAPE["dtype"], before, 2 * before, 5, "kernel")
                 single = one_memcpy_seconds(t["bytes_copied"])
                 rows.append({**grid, "rows_before": before, "bytes_copied": t["bytes_copied"],
@@ -124,7 +125,7 @@ def grid_rows(blocks_per_sm: "tuple[int, ...]" = (2, 4, 6, 8, 12, 16, 24, 32),
                 print(f"grid {n:>2} blocks/SM ({grid['resident_blocks_per_sm']} resident)  {before:>6} rows  "
                       f"copy/memcpy {rows[-1]['ratio']:5.2f}")
     finally:
-        rt._runtime.set_copy_kernel_grid(0)
+        _bench.set_copy_kernel_grid(0)
     return rows
 
 

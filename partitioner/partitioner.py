@@ -15,7 +15,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from offgraph_kv.backend import OffGraphKVBackend
 from offgraph_kv.backend.cache_ops import LoweringError, find_sites, is_cache_op
 from offgraph_kv.backend.compile_specs import BackendSpecs, StepWidth
-from offgraph_kv.partitioner.step_width import delegate_input_nodes, locate, shape_of
+from offgraph_kv.backend.step_width import delegate_input_nodes, locate, shape_of
 from offgraph_kv.schemas.manifest import dtype_from_name
 
 # The compiled code's bound on readable rows. It is fixed rather than taken from

@@ -1,0 +1,49 @@
+// Benchmark hooks (offgraph_kv.runtime._bench): built only with
+// -DOFFGRAPH_KV_BENCHMARKS=ON, so the shipped runtime carries no benchmark code.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "growth_benchmark.h"
+
+namespace py = pybind11;
+using namespace offgraph_kv;
+
+PYBIND11_MODULE(_bench, m) {
+  m.doc() = "offgraph-kv benchmark hooks: the store's growth timed alone, the copy kernel's grid";
+  m.def(
+      "time_growth",
+      [](const std::string& device, size_t layers, size_t heads, size_t head_dim, const std::string& dtype,
+         size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode, bool fresh_memory) {
+        const int code = dtype == "fp32" ? 0 : dtype == "fp16" ? 1 : dtype == "bf16" ? 2 : -1;
+        GrowthTiming t;
+        Status s = time_growth(device, layers, heads, head_dim, code, rows_before, rows_after, repeats, copy_mode,
+                               fresh_memory, &t);
+        if (!s.ok()) throw std::runtime_error(s.message());
+        py::dict d;
+        d["seconds"] = t.seconds;
+        d["device_seconds"] = t.device_seconds;
+        d["copy_device_seconds"] = t.copy_device_seconds;
+        d["bytes_copied"] = t.bytes_copied;
+        return d;
+      },
+      py::arg("device"), py::arg("layers"), py::arg("heads"), py::arg("head_dim"), py::arg("dtype"),
+      py::arg("rows_before"), py::arg("rows_after"), py::arg("repeats"), py::arg("copy_mode") = "auto",
+      py::arg("fresh_memory") = true,
+      "Benchmark hook: mean seconds of one store growth (allocate, copy, release) by the host clock and, on "
+      "CUDA, on the stream (events), and the bytes it copies.");
+  m.def(
+      "set_copy_kernel_grid",
+      [](int blocks_per_sm) {
+        const auto [in_effect, resident] = set_copy_kernel_grid(blocks_per_sm);
+        py::dict d;
+        d["blocks_per_sm"] = in_effect;
+        d["resident_blocks_per_sm"] = resident;
+        return d;
+      },
+      py::arg("blocks_per_sm"),
+      "Benchmark hook: blocks per multiprocessor of the CUDA growth copy kernel (0: the default), process-wide; "
+      "returns the value in effect and how many blocks fit on one multiprocessor (0 and 0 without the kernel).");
+}
