@@ -19,7 +19,7 @@ Everything is timed by CUDA events, like with like:
   host wall time, which adds the allocation calls and a synchronisation.
 - the kernel's growths again into memory the pool still holds (warm pages),
   and the kernel's grid swept (blocks per multiprocessor).
-Bandwidth counts bytes read + written (twice the bytes copied), as DESIGN.md's memcpy figures do.
+Bandwidth counts bytes read + written (twice the bytes copied), as memcpy bandwidth figures usually do.
 """
 
 from __future__ import annotations
