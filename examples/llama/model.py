@@ -208,7 +208,3 @@ def example_inputs(width: int = 4) -> tuple:
 def dynamic_shapes(max_write: int) -> dict:
     t = torch.export.Dim("tokens", min=1, max=max_write)
     return {"tokens": {1: t}, "input_pos": {0: t}}
-
-
-def policies(args: ModelArgs) -> Sequence[LayerPolicy]:
-    return args.layer_policies()
