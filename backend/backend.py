@@ -123,6 +123,7 @@ def build_manifest(
         max_write=specs.max_write,
         capacity_bound=specs.capacity_bound,
         initial_capacity=specs.initial_capacity,
+        rewind_budget=specs.rewind_budget,
         max_capacity=specs.max_capacity,
         growth_factor=specs.growth_factor,
         compiled_code_key=code_key,
@@ -189,9 +190,11 @@ class OffGraphKVBackend(BackendDetails):
         # Automatic too, for the same reason (on CUDA: min(16*S, 32*S) == 16*S);
         # the runtime keeps readable rows within max_capacity <= capacity_bound.
         rows = Dim.DYNAMIC
-        private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, device, windows, specs.max_write)
-        # Flat storage binds a prefix of any length; rings are bound whole.
-        dyn = dyn + [{1: rows} if windows[i // 2] == 0 else None for i in range(2 * len(sites))]
+        private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, device, windows, specs.max_write,
+                                          specs.rewind_budget)
+        # Flat storage binds a prefix of any length; rings are bound whole, with
+        # as many slots as the load-time rewind budget adds (the code reads it).
+        dyn = dyn + [{1: rows} for _ in range(2 * len(sites))]
         if wrapper.has_length_input:
             dyn.append(None)
         with torch.no_grad():

@@ -24,6 +24,7 @@ CAPACITY_BOUND = "capacity_bound"
 GROWTH_FACTOR = "growth_factor"
 MAX_WRITE = "max_write"
 LAYERS = "layers"
+REWIND_BUDGET = "rewind_budget"  # optional: absent means 0
 
 _DTYPE_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -80,6 +81,7 @@ class BackendSpecs:
     growth_factor: float
     max_write: int
     layers: Tuple[LayerPolicy, ...]
+    rewind_budget: int = 0
 
     def to_compile_specs(self) -> List[CompileSpec]:
         values = {
@@ -92,6 +94,7 @@ class BackendSpecs:
             GROWTH_FACTOR: repr(float(self.growth_factor)),
             MAX_WRITE: str(self.max_write),
             LAYERS: encode_layers(self.layers),
+            REWIND_BUDGET: str(self.rewind_budget),
         }
         return [CompileSpec(k, v.encode("ascii")) for k, v in values.items()]
 
@@ -113,4 +116,5 @@ class BackendSpecs:
             growth_factor=float(values[GROWTH_FACTOR]),
             max_write=int(values[MAX_WRITE]),
             layers=tuple(decode_layers(values[LAYERS])),
+            rewind_budget=int(values.get(REWIND_BUDGET, "0")),
         )

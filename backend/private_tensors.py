@@ -141,21 +141,22 @@ def bind_private_tensors(program: fx.GraphModule) -> List[CacheOpSite]:
     return sites
 
 
-def ring_slots(window: int, max_write: int) -> int:
-    """Slots a ring needs so a step of max_write tokens never evicts needed context."""
-    return window + max_write - 1
+def ring_slots(window: int, max_write: int, rewind_budget: int = 0) -> int:
+    """Slots a ring needs so a step of max_write tokens never evicts needed
+    context, plus the rewind budget's (the runtime's rows_of says the same)."""
+    return window + max_write - 1 + rewind_budget
 
 
 def private_tensor_examples(
     sites: Sequence[CacheOpSite], rows: int, dtype: torch.dtype, device: str,
-    windows: Sequence[int], max_write: int,
+    windows: Sequence[int], max_write: int, rewind_budget: int = 0,
 ) -> List[torch.Tensor]:
     """Example storage for tracing: ``[1, rows, H_kv, D]`` per flat tensor,
     ``[1, slots, H_kv, D]`` per ring tensor, then the length when rings exist."""
     out = []
     for s in sites:
         w = windows[s.layer_id]
-        n = ring_slots(w, max_write) if w > 0 else rows
+        n = ring_slots(w, max_write, rewind_budget) if w > 0 else rows
         out.append(torch.zeros(1, n, s.num_kv_heads, s.head_dim, dtype=dtype, device=device))
         out.append(torch.zeros(1, n, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=device))
     if any(w > 0 for w in windows):

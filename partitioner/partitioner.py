@@ -39,6 +39,9 @@ class OffGraphKVPartitioner(Partitioner):
             step's token count; derived from the signature when None.
         layers: LayerPolicy per layer (one for all, or one per layer).
         max_write: the widest step a ring must absorb (default: the export bound).
+        rewind_budget: extra ring slots, so a ring layer can be rewound up to
+            max_write + rewind_budget positions after any step (export default of a
+            load-time option; flat layers rewind without limit).
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class OffGraphKVPartitioner(Partitioner):
         layers: Sequence[LayerPolicy] = (LayerPolicy.flat(),),
         max_write: Optional[int] = None,
         capacity_bound: Optional[int] = None,
+        rewind_budget: int = 0,
     ) -> None:
         if device not in SUPPORTED_DEVICES:
             raise ValueError(f"device {device!r} is not supported; expected one of {SUPPORTED_DEVICES}")
@@ -74,6 +78,9 @@ class OffGraphKVPartitioner(Partitioner):
         if not self.layers:
             raise ValueError("layers needs at least one LayerPolicy")
         self.max_write = max_write
+        if not 0 <= int(rewind_budget) < 2**24:
+            raise ValueError(f"rewind_budget must be in [0, 2**24), got {rewind_budget}")
+        self.rewind_budget = int(rewind_budget)
         self.delegation_spec: Optional[DelegationSpec] = None
 
     def _policies(self, n_layers: int) -> Tuple[LayerPolicy, ...]:
@@ -156,6 +163,7 @@ class OffGraphKVPartitioner(Partitioner):
             device=self.device,
             storage_dtype=self.storage_dtype,
             initial_capacity=self.initial_capacity,
+            rewind_budget=self.rewind_budget,
             max_capacity=self.max_capacity,
             capacity_bound=self.capacity_bound,
             growth_factor=self.growth_factor,

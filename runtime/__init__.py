@@ -28,8 +28,11 @@ def configure(
     initial_capacity: Optional[int] = None,
     max_capacity: Optional[int] = None,
     growth_factor: Optional[float] = None,
+    rewind_budget: Optional[int] = None,
 ) -> None:
-    """Override the export-time growth policy for methods loaded from now on.
+    """Override the export-time growth policy (and the rings' rewind budget:
+    extra slots that let a ring layer be rewound further) for methods loaded
+    from now on.
 
     Goes through ExecuTorch's backend-options mechanism (``set_option``), so a
     C++ host does the same with ``executorch::runtime::set_option``. ``None``
@@ -41,10 +44,13 @@ def configure(
             raise ValueError(f"{name} must be in [1, 2**31), got {value}")
     if growth_factor is not None and not float(growth_factor) > 1.0:
         raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+    if rewind_budget is not None and not 0 <= int(rewind_budget) < 2**24:
+        raise ValueError(f"rewind_budget must be in [0, 2**24), got {rewind_budget}")
     set_options(
         int(initial_capacity or 0),
         int(max_capacity or 0),
         "" if growth_factor is None else repr(float(growth_factor)),
+        -1 if rewind_budget is None else int(rewind_budget),
     )
 
 

@@ -115,6 +115,7 @@ class Manifest:
     length_input: "int | None" = None  # compiled input of the int64 [1] committed length (rings)
     inputs: List[UserInput] = field(default_factory=list)  # the delegate inputs, in args order
     width_bound: int = 0  # export bound of the step width
+    rewind_budget: int = 0  # export default of the rings' extra slots
 
     def kv_bytes_per_token(self) -> int:
         return sum(t.bytes_per_row() for t in self.tensors)
@@ -137,6 +138,7 @@ class Manifest:
         m.hasLengthInput = self.length_input is not None
         m.lengthInput = self.length_input or 0
         m.widthBound = self.width_bound
+        m.rewindBudget = self.rewind_budget
         m.inputs = []
         for u in self.inputs:
             i = fb.UserInputT()
@@ -193,6 +195,7 @@ class Manifest:
             version=m.version,
             length_input=m.lengthInput if m.hasLengthInput else None,
             width_bound=m.widthBound,
+            rewind_budget=m.rewindBudget,
             inputs=[
                 UserInput(scalar_types[u.dtype], [InputDim(dim_kinds[d.kind], d.extent) for d in u.dims])
                 for u in m.inputs

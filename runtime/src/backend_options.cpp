@@ -14,6 +14,7 @@ struct Overrides {
   size_t initial_capacity = 0;
   size_t max_capacity = 0;
   double growth_factor = 0;
+  long rewind_budget = -1;  // -1: the export default (0 is a budget)
 };
 
 std::mutex& overrides_mutex() {
@@ -38,6 +39,15 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
     (key == "initial_capacity" ? o->initial_capacity : o->max_capacity) = size_t(*v);
     return true;
   }
+  if (key == "rewind_budget") {
+    const int* v = std::get_if<int>(&opt.value);
+    if (v == nullptr || *v < -1) {
+      *why = "backend option rewind_budget must be an int >= 0 (-1: the export default)";
+      return false;
+    }
+    o->rewind_budget = *v;
+    return true;
+  }
   if (key == "growth_factor") {
     const auto* s = std::get_if<std::array<char, executorch::runtime::kMaxOptionValueLength>>(&opt.value);
     if (s == nullptr) {
@@ -58,7 +68,7 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
     o->growth_factor = f;
     return true;
   }
-  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor)";
+  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor, rewind_budget)";
   return false;
 }
 
@@ -66,6 +76,7 @@ void merge(const Overrides& o, GrowthPolicy* p) {
   if (o.initial_capacity) p->initial_capacity = o.initial_capacity;
   if (o.max_capacity) p->max_capacity = o.max_capacity;
   if (o.growth_factor > 0) p->growth_factor = o.growth_factor;
+  if (o.rewind_budget >= 0) p->rewind_budget = size_t(o.rewind_budget);
 }
 
 }  // namespace
@@ -88,6 +99,7 @@ Status read_options(Span<BackendOption> options) {
     const std::string key = opt.key;
     if (key == "initial_capacity") opt.value = int(o.initial_capacity);
     else if (key == "max_capacity") opt.value = int(o.max_capacity);
+    else if (key == "rewind_budget") opt.value = int(o.rewind_budget);
     else if (key == "growth_factor") {
       std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
       if (o.growth_factor > 0) std::snprintf(text.data(), text.size(), "%g", o.growth_factor);

@@ -71,6 +71,14 @@ class CudaStreamMemory final : public DeviceMemory {
     DeviceMemory::copy_many(copies);
   }
   void zero(void* dst, size_t bytes) override { cudaMemsetAsync(dst, 0, bytes, stream_); }
+  void copy_to_host(void* host, const void* src, size_t bytes) override {
+    cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream_);
+    cudaStreamSynchronize(stream_);
+  }
+  void copy_from_host(void* dst, const void* host, size_t bytes) override {
+    cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_);
+    cudaStreamSynchronize(stream_);
+  }
   void synchronize() override { cudaStreamSynchronize(stream_); }
   void return_unused() override {
     if (pool_ == nullptr) return;  // the default pool is shared with the process: not ours to trim

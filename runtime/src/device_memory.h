@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -28,6 +29,9 @@ class DeviceMemory {
     for (const CopyOp& c : copies) copy(c.dst, c.src, c.bytes);
   }
   virtual void zero(void* dst, size_t bytes) = 0;
+  // Between this memory and the host, complete on return (saved contexts).
+  virtual void copy_to_host(void* host, const void* src, size_t bytes) { std::memcpy(host, src, bytes); }
+  virtual void copy_from_host(void* dst, const void* host, size_t bytes) { std::memcpy(dst, host, bytes); }
   // Wait until queued work (copies, frees) is done; host memory has none.
   virtual void synchronize() {}
   // Hand memory that no live buffer holds back to the system (waiting for

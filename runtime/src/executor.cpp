@@ -70,6 +70,13 @@ std::unique_ptr<StepExecutor> StepExecutor::create(const ManifestInfo& manifest,
   std::unique_ptr<KVStore> store = KVStore::create(manifest.tensors, policy, manifest.max_write, ex->io_->memory(), status);
   if (!store) return nullptr;
   ex->store_ = std::move(store);
+  // A saved context fits only the same compiled code with the same tensors.
+  std::string identity = manifest.compiled_code_key + ";max_write=" + std::to_string(manifest.max_write);
+  for (const TensorSpec& t : manifest.tensors)
+    identity += ";" + std::to_string(t.layer) + (t.role == TensorRole::Key ? "k" : "v") +
+                (t.kind == LayerKind::Ring ? "ring" + std::to_string(t.window) : "flat") + ":" +
+                std::to_string(t.num_heads) + "x" + std::to_string(t.head_dim) + dtype_name(t.dtype);
+  ex->store_->set_identity(identity);
   ex->inputs_.resize(manifest.num_compiled_inputs());
   // Dtype, heads and head dim of every private tensor never change: describe
   // them once; a step only rebinds the pointer and the row count.

@@ -14,6 +14,8 @@ std::string GrowthPolicy::validate(size_t capacity_bound) const {
   if (initial_capacity == 0 || initial_capacity > max_capacity)
     return "initial_capacity " + std::to_string(initial_capacity) +
            " must be in [1, max_capacity=" + std::to_string(max_capacity) + "]";
+  if (rewind_budget > (size_t(1) << 24))
+    return "rewind_budget " + std::to_string(rewind_budget) + " is above 2^24 slots";
   if (!(growth_factor > 1.0) || !std::isfinite(growth_factor))
     return "growth_factor " + std::to_string(growth_factor) + " must be > 1";
   return {};

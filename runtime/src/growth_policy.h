@@ -10,6 +10,10 @@ struct GrowthPolicy {
   size_t initial_capacity = 256;
   size_t max_capacity = 0;  // hard bound on readable rows
   double growth_factor = 2.0;
+  // Extra ring slots beyond window + max_write - 1: how far back beyond
+  // max_write a ring layer can still be rewound exactly (the store's load-time
+  // policy, beside growth).
+  size_t rewind_budget = 0;
 
   // Empty when valid, otherwise a message naming the offending field.
   std::string validate(size_t capacity_bound) const;

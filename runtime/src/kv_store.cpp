@@ -39,6 +39,7 @@ std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, Growth
   std::unique_ptr<KVStore> store(
       new KVStore(std::move(tensors), policy, max_write, std::move(memory)));
   store->rings_.resize(store->tensors_.size());
+  store->kept_from_.assign(store->tensors_.size(), 0);
   for (size_t i = 0; i < store->tensors_.size(); ++i) {
     const TensorSpec& t = store->tensors_[i];
     if (t.kind == LayerKind::Ring && t.window == 0) {
@@ -73,8 +74,9 @@ std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, Growth
 size_t KVStore::rows_of(size_t i, size_t flat_capacity) const {
   const TensorSpec& t = tensors_[i];
   // A ring keeps window + max_write - 1 slots: a step of max_write tokens then
-  // never overwrites a position its own earliest query still needs.
-  return t.kind == LayerKind::Ring ? size_t(t.window) + max_write_ - 1 : flat_capacity;
+  // never overwrites a position its own earliest query still needs. The rewind
+  // budget adds slots, which keep older positions for rewinds.
+  return t.kind == LayerKind::Ring ? size_t(t.window) + max_write_ - 1 + policy_.rewind_budget : flat_capacity;
 }
 
 size_t KVStore::bytes_at(size_t flat_capacity) const {
@@ -167,6 +169,11 @@ void KVStore::commit_step() {
   if (pending_ != 0) ++steps_;
   length_ += pending_;
   pending_ = 0;
+  // The step's writes overwrote the slots of positions [length - slots, ...).
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const size_t slots = rows_of(i, capacity_);
+    if (tensors_[i].kind == LayerKind::Ring && length_ > slots) kept_from_[i] = std::max(kept_from_[i], length_ - slots);
+  }
   return_released_memory();
 }
 
@@ -186,9 +193,35 @@ Binding KVStore::binding(size_t i) const {
   return {data_of(i), int64_t(length_ + pending_)};
 }
 
+Status KVStore::rewind(size_t n) {
+  if (pending_ != 0) return Status(Error::InvalidState, "rewind during a step");
+  if (n > length_)
+    return Status(Error::InvalidArgument,
+                  "cannot rewind " + std::to_string(n) + " positions: the store holds " + std::to_string(length_));
+  const size_t to = length_ - n;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const TensorSpec& t = tensors_[i];
+    if (t.kind != LayerKind::Ring) continue;
+    // The next query (position `to`) sees keys in (to - window, to): they must all still be in the ring.
+    const size_t needed_from = to + 1 > t.window ? to + 1 - t.window : 0;
+    if (needed_from < kept_from_[i]) {
+      const size_t floor = kept_from_[i] + t.window - 1;  // the lowest length this ring can return to
+      return Status(Error::InvalidArgument,
+                    "cannot rewind " + std::to_string(n) + " positions (to " + std::to_string(to) + "): ring layer " +
+                        std::to_string(t.layer) + " (window " + std::to_string(t.window) + ") keeps positions from " +
+                        std::to_string(kept_from_[i]) + " on, so it can go back at most " +
+                        std::to_string(length_ - std::min(length_, floor)) + " positions now; rewind_budget " +
+                        std::to_string(policy_.rewind_budget) + " (a load-time option) buys more");
+    }
+  }
+  length_ = to;
+  return Status::ok_status();
+}
+
 Status KVStore::reset(bool release_memory) {
   pending_ = 0;
   length_ = 0;
+  std::fill(kept_from_.begin(), kept_from_.end(), 0);
   if (release_memory && capacity_ != policy_.initial_capacity) {
     Status s = resize_flat(policy_.initial_capacity, 0);
     if (!s.ok()) return s;

@@ -2,6 +2,8 @@
 //
 //   idle --prepare_step(w)--> prepared(w) --commit_step--> idle (length += w)
 //                                  \--------abort_step----> idle (length kept)
+//   idle --rewind(n)--> idle (length -= n)     idle --reset--> idle (length 0)
+//   empty --load_context(file)--> idle (length = the file's)
 //
 // prepare_step does everything that can fail (checks, growth) before the
 // compiled code runs; commit_step cannot fail. A step that is rejected or whose
@@ -69,6 +71,23 @@ class KVStore {
 
   // Drop the history; with release_memory, shrink back to the initial allocation.
   Status reset(bool release_memory);
+  // Forget the newest n committed positions (idle only). Flat layers simply
+  // forget them; a ring layer can go back only while every position its window
+  // then needs is still in its slots: at least max_write + rewind_budget
+  // positions after any step. Beyond that: an error naming the budget, nothing changed.
+  Status rewind(size_t n);
+  // Whether n more tokens fit under max_capacity.
+  bool can_extend(size_t n) const { return length_ + n <= policy_.max_capacity; }
+  // Writes the committed rows of every tensor (rings in position order), the
+  // length and the program's identity to `path` (atomically: a temp file,
+  // then rename), with a SHA-256 of the whole.
+  Status save_context(const std::string& path) const;
+  // Restores a saved context into this store, which must be empty; anything
+  // else (another program's file, a truncated or corrupt one) is refused and
+  // leaves the store empty and usable.
+  Status load_context(const std::string& path);
+  // What a saved context must match: the compiled code and the tensors' shapes.
+  void set_identity(std::string identity) { identity_ = std::move(identity); }
 
   StoreMetrics metrics() const;
   void record_host_time(uint64_t ns) { host_ns_ += ns; }
@@ -104,7 +123,12 @@ class KVStore {
   bool has_flat_;  // fixed by the manifest: derived once, not per step
   bool has_ring_;
   std::shared_ptr<DeviceMemory> memory_;
+  std::string identity_;
   size_t length_ = 0;
+  // Per tensor: the lowest position whose row is still in the tensor (flat: 0;
+  // ring: raised as steps overwrite slots). Rewinds never go below what a ring
+  // window then needs.
+  std::vector<size_t> kept_from_;
   size_t capacity_ = 0;  // rows of every flat tensor
   size_t pending_ = 0;   // width of the prepared step, 0 when idle
   bool released_arena_ = false;  // an old arena was released since memory was last returned

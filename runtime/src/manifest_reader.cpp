@@ -53,6 +53,7 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
   out->defaults.initial_capacity = m->initial_capacity();
   out->defaults.max_capacity = m->max_capacity();
   out->defaults.growth_factor = m->growth_factor();
+  out->defaults.rewind_budget = m->rewind_budget();
   out->compiled_code_key = m->compiled_code_key()->str();
   out->tensors.clear();
 

@@ -82,6 +82,38 @@ PYBIND11_MODULE(_runtime, m) {
             if (!st.ok()) throw std::runtime_error(st.message());
           },
           py::arg("release_memory") = false, "Forget the history; optionally shrink to the initial allocation.")
+      .def(
+          "rewind",
+          [](KVStore& s, size_t n) {
+            Status st = s.rewind(n);
+            if (!st.ok()) throw std::invalid_argument(st.message());
+          },
+          py::arg("n"), "Forget the newest n committed positions (rings: within max_write + rewind_budget).")
+      .def(
+          "truncate",
+          [](KVStore& s, size_t length) {
+            if (length > s.length())
+              throw std::invalid_argument("truncate to " + std::to_string(length) + ": the store holds only " +
+                                          std::to_string(s.length()));
+            Status st = s.rewind(s.length() - length);
+            if (!st.ok()) throw std::invalid_argument(st.message());
+          },
+          py::arg("length"), "Keep the first `length` committed positions.")
+      .def("can_extend", &KVStore::can_extend, py::arg("n"), "Whether n more tokens fit under max_capacity.")
+      .def(
+          "save",
+          [](const KVStore& s, const std::string& path) {
+            Status st = s.save_context(path);
+            if (!st.ok()) throw std::runtime_error(st.message());
+          },
+          py::arg("path"), "Write the committed context (rows, length, program identity) to path, atomically.")
+      .def(
+          "load",
+          [](KVStore& s, const std::string& path) {
+            Status st = s.load_context(path);
+            if (!st.ok()) throw std::invalid_argument(st.message());
+          },
+          py::arg("path"), "Restore a saved context into this (empty) store.")
       .def_property_readonly("length", &KVStore::length)
       .def_property_readonly("capacity", &KVStore::capacity);
 
@@ -125,27 +157,29 @@ PYBIND11_MODULE(_runtime, m) {
   m.def("stores", &live_stores, "The stores of the methods loaded in this process, oldest first.");
   m.def(
       "set_options",
-      [](int initial_capacity, int max_capacity, const std::string& growth_factor) {
+      [](int initial_capacity, int max_capacity, const std::string& growth_factor, int rewind_budget) {
         executorch::runtime::BackendOption opts[] = {
             make_int("initial_capacity", initial_capacity),
             make_int("max_capacity", max_capacity),
             make_text("growth_factor", growth_factor),
+            make_int("rewind_budget", rewind_budget),
         };
-        const auto e = executorch::runtime::set_option(kBackendName, {opts, 3});
+        const auto e = executorch::runtime::set_option(kBackendName, {opts, 4});
         if (e != executorch::runtime::Error::Ok)
           throw std::invalid_argument("OffGraphKVBackend rejected the options (error " + std::to_string(int(e)) +
                                       "; see the log for which)");
       },
-      py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"));
+      py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"), py::arg("rewind_budget") = -1);
   m.def("get_options", []() {
     executorch::runtime::BackendOption opts[] = {make_int("initial_capacity", 0), make_int("max_capacity", 0),
-                                                 make_text("growth_factor", "")};
-    const auto e = executorch::runtime::get_option(kBackendName, {opts, 3});
+                                                 make_text("growth_factor", ""), make_int("rewind_budget", -1)};
+    const auto e = executorch::runtime::get_option(kBackendName, {opts, 4});
     if (e != executorch::runtime::Error::Ok) throw std::runtime_error("get_option failed");
     py::dict d;
     d["initial_capacity"] = std::get<int>(opts[0].value);
     d["max_capacity"] = std::get<int>(opts[1].value);
     d["growth_factor"] = std::string(std::get<2>(opts[2].value).data());
+    d["rewind_budget"] = std::get<int>(opts[3].value);
     return d;
   });
 }
