@@ -179,6 +179,8 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    # From the first prefill step to the first new token shown (what a user waits for).
+    first_token_s: float = 0.0
     message: str = ""
 
 
@@ -225,7 +227,7 @@ def generate(
         g.message = (f"the prompt has {len(prompt_ids)} tokens but the KV cache has room for {room} "
                      f"(max capacity {m['max_capacity']}); raise --max-capacity or shorten the prompt")
         return g
-    t0 = time.perf_counter()
+    t0 = start = time.perf_counter()
     try:
         logits = None
         for i in range(0, len(prompt_ids), max_write):
@@ -245,6 +247,8 @@ def generate(
         token = pick(logits[0, -1])
         g.generated_ids.append(token)
         on_token(token)
+        if len(g.generated_ids) == 1:
+            g.first_token_s = time.perf_counter() - start
         if token in stops:
             g.stop_reason = "stop_token"
             break
@@ -320,11 +324,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Always configure: None restores the export default, so an earlier
     # in-process run's overrides do not leak into this one.
     rt.configure(initial_capacity=a.initial_capacity, max_capacity=a.max_capacity)
+    t_load = time.perf_counter()
     try:
         # executorch.runtime, or ExecuTorch's C++ Module under another torch (a CUDA image's).
         method = rt.load_method(a.pte)
     finally:
         rt.configure()
+    load_s = time.perf_counter() - t_load
     store = rt.stores()[-1]
     max_write = int(sidecar["max_write"])
 
@@ -357,6 +363,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"({_rate(len(prompt_ids), g.prefill_s)}, chunks of <= {max_write})", file=sys.stderr)
         print(f"decode   {n_new} new tokens, {g.decode_steps} steps in {g.decode_s * 1e3:.1f} ms "
               f"({_rate(g.decode_steps, g.decode_s)}); stopped: {g.stop_reason}", file=sys.stderr)
+        export_s = sum((sidecar.get("timings_s") or {}).values())
+        print(f"speed    export {export_s:.1f} s, load {load_s:.2f} s, first token {g.first_token_s * 1e3:.0f} ms, "
+              f"{_rate(g.decode_steps, g.decode_s)} decode", file=sys.stderr)
         if check is not None:
             print(f"check    max |logits - eager reference| = {check.max_abs_diff:.3g}, "
                   f"argmax disagreements: {check.argmax_mismatches}", file=sys.stderr)
@@ -373,6 +382,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             "stop_reason": g.stop_reason,
             "message": g.message,
             "timings": {
+                "export_s": sum((sidecar.get("timings_s") or {}).values()),
+                "load_s": load_s,
+                "first_token_s": g.first_token_s,
                 "prefill_s": g.prefill_s, "prefill_tokens": len(prompt_ids),
                 "prefill_tokens_per_s": len(prompt_ids) / g.prefill_s if g.prefill_s > 0 else None,
                 "decode_s": g.decode_s, "decode_steps": g.decode_steps,
