@@ -1,6 +1,7 @@
 """Generate text with a .pte from export.py; the KV cache lives in the offgraph-kv delegate.
 
-    python examples/llama/run.py model.pte --prompt "Once upon a time" --max-new-tokens 64
+    python examples/llama/run.py smollm2.pte --chat --prompt "What is the capital of France?"
+    python examples/llama/run.py toy.pte --prompt "Once upon a time" --max-new-tokens 64
     python examples/llama/run.py m.pte --prompt "Hi" --chat --temperature 0.7 --top-p 0.9 --json out.json
 
 Prefill is chunked into steps of at most ``max_write`` tokens (from the sidecar
