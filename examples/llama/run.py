@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -53,6 +54,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="also run the eager model with ExecuTorch's reference cache and report the largest logit gap")
     p.add_argument("--json", help="write prompt/generated ids, text, timings and final metrics here")
     p.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for the compiled code (default 1: decode is memory-bound, and on a busy "
+                        "machine a second OpenMP thread made SmolLM2 decode 9x slower)")
     return p.parse_args(argv)
 
 
@@ -299,6 +303,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("error: --max-new-tokens must be >= 0", file=sys.stderr)
         return 2
 
+    if a.threads < 1:
+        print("error: --threads must be >= 1", file=sys.stderr)
+        return 2
+    # Set before the program's .so (and its OpenMP runtime) is loaded, which reads
+    # the variable once; torch's own pool directly. Restored after, for in-process callers.
+    saved_env, saved_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    torch.set_num_threads(a.threads)
+    try:
+        return _generate_main(a, sidecar)
+    finally:
+        torch.set_num_threads(saved_threads)
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
+
+
+def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
     import offgraph_kv.runtime as rt
 
     tok_info = sidecar.get("tokenizer") or {}
