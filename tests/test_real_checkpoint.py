@@ -156,3 +156,19 @@ def test_run_streams_a_chat_answer_and_stops_at_im_end(smollm2_pte: Callable[[st
     assert result["generated_ids"][-1] == 2  # <|im_end|> in SmolLM2's vocabulary
     assert "Paris" in captured.out and IM_END not in captured.out
     assert "first token" in captured.err and "load" in captured.err
+
+
+def test_run_finds_the_converted_tokenizer_beside_a_moved_pte(smollm2_pte: Callable[[str], Path], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture) -> None:
+    import shutil
+
+    src = smollm2_pte("fp32")
+    moved = tmp_path / "moved.pte"
+    os.link(src, moved)  # same file system: no 500 MB copy
+    side = json.loads(export.sidecar_path(src).read_text())
+    side["tokenizer"]["path"] = str(tmp_path / "gone" / "tokenizer.json")
+    export.sidecar_path(moved).write_text(json.dumps(side))
+    shutil.copytree(Path(str(src) + ".tokenizer"), Path(str(moved) + ".tokenizer"))
+    rc = run.main([str(moved), "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "8"])
+    assert rc == 0
+    assert "The capital of France" in capsys.readouterr().out

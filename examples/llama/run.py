@@ -279,12 +279,22 @@ def memory_table(m: Dict[str, object]) -> str:
         f"  allocated   {format_bytes(m['allocated_bytes'])} (peak {format_bytes(m['peak_bytes'])})",
         f"  growths     {m['growths']}",
         f"  storage     {m['storage_dtype']}",
-        "  layer  kind  window      rows       bytes",
+        "  layers  kind  window      rows  bytes each",
     ]
+    # Consecutive layers in the same state share a line (30 identical rows say nothing).
+    groups: List[List[Dict[str, object]]] = []
     for layer in m.get("layers", []):
-        window = layer.get("window") or "-"
-        lines.append(f"  {layer['layer']:>5}  {layer['kind']:<4}  {window!s:>6}  {layer['rows']:>8}  "
-                     f"{format_bytes(layer['bytes']):>10}")
+        same = ("kind", "window", "rows", "bytes")
+        if groups and all(groups[-1][-1].get(k) == layer.get(k) for k in same):
+            groups[-1].append(layer)
+        else:
+            groups.append([layer])
+    for g in groups:
+        first, last = g[0]["layer"], g[-1]["layer"]
+        span = f"{first}" if first == last else f"{first}-{last}"
+        window = g[0].get("window") or "-"
+        lines.append(f"  {span:>6}  {g[0]['kind']:<4}  {window!s:>6}  {g[0]['rows']:>8}  "
+                     f"{format_bytes(g[0]['bytes']):>10}")
     return "\n".join(lines)
 
 
@@ -326,6 +336,9 @@ def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
 
     tok_info = sidecar.get("tokenizer") or {}
     tok_path = a.tokenizer or tok_info.get("path")
+    beside = Path(str(a.pte) + ".tokenizer") / "tokenizer.json"  # a GGUF's, converted by export.py
+    if not a.tokenizer and tok_path and not Path(tok_path).exists() and beside.is_file():
+        tok_path = str(beside)  # the .pte and its tokenizer were moved together
     if tok_path is None and tok_info.get("kind") is None:
         print("error: the export recorded no tokenizer for this checkpoint; pass --tokenizer", file=sys.stderr)
         return 2
