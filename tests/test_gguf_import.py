@@ -246,6 +246,15 @@ def test_unused_tensor_is_named(tmp_path: Path) -> None:
         gguf_import.load_gguf(path)
 
 
+def test_a_block_past_block_count_is_named(tmp_path: Path) -> None:
+    def extra_block(t: Dict[str, np.ndarray]) -> None:
+        t["blk.2.attn_norm.weight"] = np.ones(64, dtype=np.float32)
+
+    path = write_gguf(tmp_path / "b.gguf", small_model(), mutate=extra_block)
+    with pytest.raises(ValueError, match=r"'blk.2.attn_norm.weight' is not used by the model \(2 blocks\)"):
+        gguf_import.load_gguf(path)
+
+
 def test_not_a_gguf_file_is_refused_clearly(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"not a gguf file at all" * 10)

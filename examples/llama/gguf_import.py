@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import re
+import types
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -31,7 +32,7 @@ from checkpoint import (
     parse_dtype,
     permute_interleaved_to_half,
 )
-from model import ModelArgs, _rope_inverse_frequencies
+from model import ModelArgs, Transformer, _rope_inverse_frequencies
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -59,7 +60,7 @@ _BLOCK_NAMES = {
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def _gguf():  # the package is optional: only this import path needs it
+def _gguf() -> "types.ModuleType":  # optional package: only this import path needs it
     try:
         import gguf
     except ImportError as e:
@@ -241,8 +242,6 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
     args = gguf_args(f, names)
 
     with torch.device("meta"):
-        from model import Transformer
-
         expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}
     # Check every name and shape before dequantizing anything (fast refusal).
     source_names: Dict[str, str] = {}
@@ -252,8 +251,8 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
             rope_freqs = t
             continue
         key = gguf_to_model_name(t.name)
-        if key is None:
-            raise ValueError(f"GGUF tensor {t.name!r} is not used by the model")
+        if key is None or key not in expected:  # unknown name, or a block past block_count
+            raise ValueError(f"GGUF tensor {t.name!r} is not used by the model ({args.n_layers} blocks)")
         shape = tuple(int(d) for d in reversed(t.shape))
         if shape != tuple(expected[key]):
             raise ValueError(f"GGUF tensor {t.name!r} (model tensor {key!r}) has shape {shape}, "
