@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -69,7 +69,7 @@ def smollm2_pte(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) ->
 
 
 @pytest.fixture(scope="session")
-def hf_gguf(smollm2_gguf: Path):
+def hf_gguf(smollm2_gguf: Path) -> Tuple[Any, Any]:
     """transformers' model and tokenizer, loaded by transformers from the same GGUF (fp32)."""
     import transformers
 
@@ -79,13 +79,13 @@ def hf_gguf(smollm2_gguf: Path):
     return model, tok
 
 
-def hf_chat_ids(tok, text: str) -> List[int]:
+def hf_chat_ids(tok: Any, text: str) -> List[int]:
     out = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                   tokenize=True, return_dict=True)
     return list(out["input_ids"])
 
 
-def hf_greedy(model, prompt: List[int], n: int, stop_ids: List[int]) -> List[int]:
+def hf_greedy(model: Any, prompt: List[int], n: int, stop_ids: List[int]) -> List[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                              eos_token_id=stop_ids, pad_token_id=stop_ids[0])
@@ -106,7 +106,7 @@ def first_difference(a: List[int], b: List[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_gguf_import_gives_transformers_own_dequantized_weights(smollm2_gguf: Path, hf_gguf) -> None:
+def test_gguf_import_gives_transformers_own_dequantized_weights(smollm2_gguf: Path, hf_gguf: Tuple[Any, Any]) -> None:
     # transformers un-permutes q/k and dequantizes on its own: equal tensors pin our mapping.
     ours = checkpoint.to_hf_state_dict(gguf_import.load_gguf(smollm2_gguf).model)
     theirs = hf_gguf[0].state_dict()
@@ -116,7 +116,7 @@ def test_gguf_import_gives_transformers_own_dequantized_weights(smollm2_gguf: Pa
 
 
 def test_tokenizer_from_gguf_renders_the_chat_prompt_transformers_renders(
-        smollm2_pte: Callable[[str], Path], hf_gguf) -> None:
+        smollm2_pte: Callable[[str], Path], hf_gguf: Tuple[Any, Any]) -> None:
     side = run.read_sidecar(smollm2_pte("fp32"))
     tok = tokenizer.load_tokenizer(side["tokenizer"]["path"])
     assert tok.chat_prompt(STORY) == hf_chat_ids(hf_gguf[1], STORY)
@@ -127,7 +127,7 @@ def test_tokenizer_from_gguf_renders_the_chat_prompt_transformers_renders(
 
 @pytest.mark.parametrize("storage, must_match", [("fp32", N_NEW), ("bf16", 16)])
 def test_greedy_tokens_equal_transformers_generate(
-        smollm2_pte: Callable[[str], Path], hf_gguf, storage: str, must_match: int,
+        smollm2_pte: Callable[[str], Path], hf_gguf: Tuple[Any, Any], storage: str, must_match: int,
 ) -> None:
     model, tok = hf_gguf
     prompt = hf_chat_ids(tok, STORY)
