@@ -326,7 +326,7 @@ def test_tiktoken_model_file_loads_as_llama3_tokenizer(tmp_path: Path) -> None:
 # export.py + run.py through the .pte
 # --------------------------------------------------------------------------- #
 
-TOY = ["--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2"]
+TOY = ["--tiny", "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2"]
 PROMPT = "The quick brown fox jumps over the lazy dog; offgraph-kv!"  # 57 bytes + BOS
 
 

@@ -514,4 +514,8 @@ def load_from_source(source: Mapping[str, object], dtype: "str | torch.dtype | N
         return load_meta(str(source["checkpoint"]), str(source["params"]), dtype)
     if fmt == "hf":
         return load_hf(str(source["dir"]), dtype)
+    if fmt == "gguf":
+        from gguf_import import load_gguf  # imports this module: load late
+
+        return load_gguf(str(source["path"]), dtype)
     raise ValueError(f"unknown checkpoint source format {fmt!r}")

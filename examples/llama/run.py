@@ -1,6 +1,7 @@
 """Generate text with a .pte from export.py; the KV cache lives in the offgraph-kv delegate.
 
-    python examples/llama/run.py model.pte --prompt "Once upon a time" --max-new-tokens 64
+    python examples/llama/run.py smollm2.pte --chat --prompt "What is the capital of France?"
+    python examples/llama/run.py toy.pte --prompt "Once upon a time" --max-new-tokens 64
     python examples/llama/run.py m.pte --prompt "Hi" --chat --temperature 0.7 --top-p 0.9 --json out.json
 
 Prefill is chunked into steps of at most ``max_write`` tokens (from the sidecar
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -52,6 +54,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="also run the eager model with ExecuTorch's reference cache and report the largest logit gap")
     p.add_argument("--json", help="write prompt/generated ids, text, timings and final metrics here")
     p.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for the compiled code (default 1: decode is memory-bound, and on a busy "
+                        "machine a second OpenMP thread made SmolLM2 decode 9x slower)")
     return p.parse_args(argv)
 
 
@@ -179,6 +184,8 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    # From the first prefill step to the first new token shown (what a user waits for).
+    first_token_s: float = 0.0
     message: str = ""
 
 
@@ -225,7 +232,7 @@ def generate(
         g.message = (f"the prompt has {len(prompt_ids)} tokens but the KV cache has room for {room} "
                      f"(max capacity {m['max_capacity']}); raise --max-capacity or shorten the prompt")
         return g
-    t0 = time.perf_counter()
+    t0 = start = time.perf_counter()
     try:
         logits = None
         for i in range(0, len(prompt_ids), max_write):
@@ -245,6 +252,8 @@ def generate(
         token = pick(logits[0, -1])
         g.generated_ids.append(token)
         on_token(token)
+        if len(g.generated_ids) == 1:
+            g.first_token_s = time.perf_counter() - start
         if token in stops:
             g.stop_reason = "stop_token"
             break
@@ -270,12 +279,22 @@ def memory_table(m: Dict[str, object]) -> str:
         f"  allocated   {format_bytes(m['allocated_bytes'])} (peak {format_bytes(m['peak_bytes'])})",
         f"  growths     {m['growths']}",
         f"  storage     {m['storage_dtype']}",
-        "  layer  kind  window      rows       bytes",
+        "  layers  kind  window      rows  bytes each",
     ]
+    # Consecutive layers in the same state share a line (30 identical rows say nothing).
+    groups: List[List[Dict[str, object]]] = []
     for layer in m.get("layers", []):
-        window = layer.get("window") or "-"
-        lines.append(f"  {layer['layer']:>5}  {layer['kind']:<4}  {window!s:>6}  {layer['rows']:>8}  "
-                     f"{format_bytes(layer['bytes']):>10}")
+        same = ("kind", "window", "rows", "bytes")
+        if groups and all(groups[-1][-1].get(k) == layer.get(k) for k in same):
+            groups[-1].append(layer)
+        else:
+            groups.append([layer])
+    for g in groups:
+        first, last = g[0]["layer"], g[-1]["layer"]
+        span = f"{first}" if first == last else f"{first}-{last}"
+        window = g[0].get("window") or "-"
+        lines.append(f"  {span:>6}  {g[0]['kind']:<4}  {window!s:>6}  {g[0]['rows']:>8}  "
+                     f"{format_bytes(g[0]['bytes']):>10}")
     return "\n".join(lines)
 
 
@@ -294,10 +313,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("error: --max-new-tokens must be >= 0", file=sys.stderr)
         return 2
 
+    if a.threads < 1:
+        print("error: --threads must be >= 1", file=sys.stderr)
+        return 2
+    # Set before the program's .so (and its OpenMP runtime) is loaded, which reads
+    # the variable once; torch's own pool directly. Restored after, for in-process callers.
+    saved_env, saved_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    torch.set_num_threads(a.threads)
+    try:
+        return _generate_main(a, sidecar)
+    finally:
+        torch.set_num_threads(saved_threads)
+        if saved_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_env
+
+
+def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
     import offgraph_kv.runtime as rt
 
     tok_info = sidecar.get("tokenizer") or {}
     tok_path = a.tokenizer or tok_info.get("path")
+    beside = Path(str(a.pte) + ".tokenizer") / "tokenizer.json"  # a GGUF's, converted by export.py
+    if not a.tokenizer and tok_path and not Path(tok_path).exists() and beside.is_file():
+        tok_path = str(beside)  # the .pte and its tokenizer were moved together
     if tok_path is None and tok_info.get("kind") is None:
         print("error: the export recorded no tokenizer for this checkpoint; pass --tokenizer", file=sys.stderr)
         return 2
@@ -320,11 +361,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Always configure: None restores the export default, so an earlier
     # in-process run's overrides do not leak into this one.
     rt.configure(initial_capacity=a.initial_capacity, max_capacity=a.max_capacity)
+    t_load = time.perf_counter()
     try:
         # executorch.runtime, or ExecuTorch's C++ Module under another torch (a CUDA image's).
         method = rt.load_method(a.pte)
     finally:
         rt.configure()
+    load_s = time.perf_counter() - t_load
     store = rt.stores()[-1]
     max_write = int(sidecar["max_write"])
 
@@ -357,6 +400,9 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"({_rate(len(prompt_ids), g.prefill_s)}, chunks of <= {max_write})", file=sys.stderr)
         print(f"decode   {n_new} new tokens, {g.decode_steps} steps in {g.decode_s * 1e3:.1f} ms "
               f"({_rate(g.decode_steps, g.decode_s)}); stopped: {g.stop_reason}", file=sys.stderr)
+        export_s = sum((sidecar.get("timings_s") or {}).values())
+        print(f"speed    export {export_s:.1f} s, load {load_s:.2f} s, first token {g.first_token_s * 1e3:.0f} ms, "
+              f"{_rate(g.decode_steps, g.decode_s)} decode", file=sys.stderr)
         if check is not None:
             print(f"check    max |logits - eager reference| = {check.max_abs_diff:.3g}, "
                   f"argmax disagreements: {check.argmax_mismatches}", file=sys.stderr)
@@ -373,6 +419,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             "stop_reason": g.stop_reason,
             "message": g.message,
             "timings": {
+                "export_s": sum((sidecar.get("timings_s") or {}).values()),
+                "load_s": load_s,
+                "first_token_s": g.first_token_s,
                 "prefill_s": g.prefill_s, "prefill_tokens": len(prompt_ids),
                 "prefill_tokens_per_s": len(prompt_ids) / g.prefill_s if g.prefill_s > 0 else None,
                 "decode_s": g.decode_s, "decode_steps": g.decode_steps,

@@ -83,6 +83,13 @@ class HFTokenizer(Tokenizer):
         config_path = path.parent / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.chat_template: Optional[str] = config.get("chat_template")
+        template_file = path.parent / "chat_template.jinja"  # where transformers 5 saves it
+        if self.chat_template is None and template_file.is_file():
+            self.chat_template = template_file.read_text()
+        # Some models (SmolLM2) never prepend BOS to plain text.
+        self.add_bos = bool(config.get("add_bos_token", True))
+        # Ids the checkpoint ends a turn with besides EOS (a GGUF's EOT/EOM).
+        self._config_stops = [int(i) for i in config.get("stop_token_ids") or []]
         self.bos_id = self._token_id(config.get("bos_token")) if "bos_token" in config else self._impl.bos_id
         self.eos_id = self._token_id(config.get("eos_token")) if "eos_token" in config else self._impl.eos_id
         self._bos_text = self._content(config.get("bos_token"))
@@ -102,13 +109,13 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str, bos: bool = True) -> List[int]:
         # add_special_tokens=False: BOS is added here, once, whatever the post-processor does.
         ids = self._model.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids
+        return ([self.bos_id] if bos and self.add_bos and self.bos_id is not None else []) + ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._model.decode(list(ids), skip_special_tokens=True)
 
     def stop_ids(self) -> List[int]:
-        return sorted(set(super().stop_ids()) | set(self._extra_stops))
+        return sorted(set(super().stop_ids()) | set(self._extra_stops) | set(self._config_stops))
 
     def chat_prompt(self, user: str, system: Optional[str] = None) -> List[int]:
         if not self.chat_template:
