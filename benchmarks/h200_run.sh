@@ -16,8 +16,8 @@ set +e
 export AOTI_RUNTIME_CHECK_INPUTS=1
 case "${1:-tests}" in
   tests|cuda)
-    build/cuda/site/offgraph_kv/runtime/bin/offgraph_kv_unit_tests > "$OUT/unit.txt" 2>&1; tail -1 "$OUT/unit.txt"
-    grep -E "^  |FAIL" "$OUT/unit.txt"
+    ctest --test-dir build/cuda --output-on-failure > "$OUT/unit.txt" 2>&1; tail -3 "$OUT/unit.txt"
+    grep -E "^  |Failed" "$OUT/unit.txt"
     tests="tests/test_cuda.py"
     python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1
     grep -E "PASS|FAIL|grid|Error" "$OUT/growth.txt" | cut -c1-230

@@ -15,5 +15,4 @@ rm -rf build/cuda/site && mkdir -p build/cuda/site/offgraph_kv
 for d in backend partitioner runtime schemas; do cp -r $d build/cuda/site/offgraph_kv/; done
 cp build/cuda/_runtime*.so build/cuda/_bench*.so build/cuda/site/offgraph_kv/runtime/
 cp build/cuda/generated/manifest_generated.py build/cuda/site/offgraph_kv/schemas/
-mkdir -p build/cuda/site/offgraph_kv/runtime/bin && cp build/cuda/offgraph_kv_unit_tests build/cuda/site/offgraph_kv/runtime/bin/
 python3 -c "import offgraph_kv.runtime as r, torch; print('runtime ok, torch', torch.__version__, torch.cuda.get_device_name())"
