@@ -38,13 +38,15 @@ _STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("pte", help=".pte written by export.py (its sidecar <pte>.json must be next to it)")
-    p.add_argument("--prompt", default="Once upon a time", help="prompt text")
+    p.add_argument("--prompt", help="prompt text (default: 'Once upon a time'; with --chat and no prompt: an "
+                                     "interactive chat on stdin with /undo, /regen, /save FILE, /quit)")
     p.add_argument("--tokenizer", help="tokenizer.json / tokenizer.model (default: the one in the sidecar, else bytes)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--resume", help="interactive chat: continue a conversation saved with /save (no re-prefill)")
     p.add_argument("--system", help="system message for --chat")
     p.add_argument("--no-bos", action="store_true", help="do not prepend BOS to a plain prompt")
     p.add_argument("--ignore-stop", action="store_true", help="keep generating through stop tokens")
@@ -206,7 +208,7 @@ def generate(
 ) -> Generation:
     """Chunked prefill, then one token per step until a stop token, the budget or the capacity ends it."""
     g = Generation(prompt_ids=list(prompt_ids))
-    pos = 0
+    pos = int(store.metrics()["length"])  # a conversation continues where the store is
 
     def step(ids: Sequence[int]) -> torch.Tensor:
         nonlocal pos
@@ -343,6 +345,15 @@ def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
         print("error: the export recorded no tokenizer for this checkpoint; pass --tokenizer", file=sys.stderr)
         return 2
     tok = load_tokenizer(tok_path)
+    if a.chat and a.prompt is None:
+        from chat import interactive_chat
+
+        return interactive_chat(a, sidecar, tok, tok_info)
+    if a.resume:
+        print("error: --resume continues an interactive chat (--chat without --prompt)", file=sys.stderr)
+        return 2
+    if a.prompt is None:
+        a.prompt = "Once upon a time"
     if a.chat:
         prompt_ids = tok.chat_prompt(a.prompt, a.system)
     else:

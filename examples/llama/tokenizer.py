@@ -42,9 +42,23 @@ class Tokenizer(ABC):
 
     def chat_prompt(self, user: str, system: Optional[str] = None) -> List[int]:
         """Token ids of a single-turn chat prompt, ending where the assistant speaks."""
-        # Llama 2 style: the generic fallback for tokenizers without a template.
-        sys_part = f"<<SYS>>\n{system}\n<</SYS>>\n\n" if system else ""
-        return self.encode(f"[INST] {sys_part}{user.strip()} [/INST]", bos=True)
+        return self.chat_messages(([{"role": "system", "content": system}] if system else [])
+                                  + [{"role": "user", "content": user}])
+
+    def chat_messages(self, messages: Sequence[Dict[str, str]]) -> List[int]:
+        """Token ids of a whole conversation (role/content dicts), ending where the
+        assistant speaks next. Llama 2 style: the fallback without a template."""
+        ids: List[int] = []
+        system = ""
+        for m in messages:
+            if m["role"] == "system":
+                system = f"<<SYS>>\n{m['content']}\n<</SYS>>\n\n"
+            elif m["role"] == "user":
+                ids += self.encode(f"[INST] {system}{m['content'].strip()} [/INST]", bos=True)
+                system = ""
+            else:
+                ids += self.encode(f" {m['content'].strip()} ", bos=False) + ([self.eos_id] if self.eos_id is not None else [])
+        return ids
 
     def describe(self) -> Dict[str, object]:
         return {"kind": self.kind, "path": self.path, "bos_id": self.bos_id, "eos_id": self.eos_id,
@@ -117,16 +131,15 @@ class HFTokenizer(Tokenizer):
     def stop_ids(self) -> List[int]:
         return sorted(set(super().stop_ids()) | set(self._extra_stops) | set(self._config_stops))
 
-    def chat_prompt(self, user: str, system: Optional[str] = None) -> List[int]:
+    def chat_messages(self, messages: Sequence[Dict[str, str]]) -> List[int]:
         if not self.chat_template:
-            return super().chat_prompt(user, system)
+            return super().chat_messages(messages)
         import jinja2
 
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = lambda msg: (_ for _ in ()).throw(ValueError(msg))
         text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self._bos_text, eos_token=self._eos_text
+            messages=list(messages), add_generation_prompt=True, bos_token=self._bos_text, eos_token=self._eos_text
         )
         # The template writes BOS itself; the specials in it are real specials.
         return self._model.encode(text, add_special_tokens=False).ids
@@ -178,14 +191,14 @@ class TiktokenLlama3Tokenizer(_PytorchTokenizersModel):
         extra = [self._impl.special_tokens[t] for t in _LLAMA3_EXTRA_STOPS if t in self._impl.special_tokens]
         return sorted(set(super().stop_ids()) | set(extra))
 
-    def chat_prompt(self, user: str, system: Optional[str] = None) -> List[int]:
+    def chat_messages(self, messages: Sequence[Dict[str, str]]) -> List[int]:
         def header(role: str) -> str:
             return f"<|start_header_id|>{role}<|end_header_id|>\n\n"
 
         text = "<|begin_of_text|>"
-        if system:
-            text += header("system") + system + "<|eot_id|>"
-        text += header("user") + user + "<|eot_id|>" + header("assistant")
+        for m in messages:
+            text += header(m["role"]) + m["content"] + "<|eot_id|>"
+        text += header("assistant")
         return self._impl.encode(text, bos=False, eos=False, allowed_special="all")
 
 
