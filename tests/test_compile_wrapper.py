@@ -20,35 +20,30 @@ def test_compiler_wrapper_has_one_path_so_precompiled_headers_are_reused() -> No
     assert os.access(first, os.X_OK)
 
 
+def _wrapped_and_plain(tmp_path: Path, source: str, readelf_flag: str) -> "tuple[str, str]":
+    """readelf's view of `source` built as a shared object by the wrapper and by plain g++."""
+    src = tmp_path / "lib.cpp"
+    src.write_text(source)
+    out = []
+    for cxx, name in ((aoti_compile.symbolic_compile_env()["CXX"], "wrapped"), (shutil.which("g++") or "g++", "plain")):
+        lib = tmp_path / f"{name}.so"
+        subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+        out.append(subprocess.run(["readelf", readelf_flag, str(lib)], capture_output=True, text=True).stdout)
+    return out[0], out[1]
+
+
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf")
 def test_compiler_wrapper_links_shared_objects_with_bsymbolic(tmp_path: Path) -> None:
-    cxx = aoti_compile.symbolic_compile_env()["CXX"]
-    src = tmp_path / "f.cpp"
-    src.write_text("int f() { return 1; }\n")
-    wrapped, plain = tmp_path / "wrapped.so", tmp_path / "plain.so"
-    subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(wrapped)], check=True)
-    subprocess.run([shutil.which("g++") or "g++", "-shared", "-fPIC", str(src), "-o", str(plain)], check=True)
-
-    def dynamic_section(path: Path) -> str:
-        return subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
-
-    assert "SYMBOLIC" in dynamic_section(wrapped)
-    assert "SYMBOLIC" not in dynamic_section(plain)  # the flag is the wrapper's doing
+    wrapped, plain = _wrapped_and_plain(tmp_path, "int f() { return 1; }\n", "-d")
+    assert "SYMBOLIC" in wrapped
+    assert "SYMBOLIC" not in plain  # the flag is the wrapper's doing
 
 
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="needs readelf")
-def test_compiler_wrapper_emits_no_gnu_unique_symbols_so_dropped_code_can_be_unmapped(tmp_path: Path) -> None:
-    cxx = aoti_compile.symbolic_compile_env()["CXX"]
-    src = tmp_path / "u.cpp"
+def test_compiler_wrapper_emits_no_gnu_unique_symbols_so_programs_do_not_share_statics(tmp_path: Path) -> None:
     # A static local of an inline function: g++ makes it STB_GNU_UNIQUE by default,
-    # and one such symbol makes the whole library NODELETE.
-    src.write_text("inline int& counter() { static int c = 0; return c; }\nint bump() { return ++counter(); }\n")
-    wrapped, plain = tmp_path / "wrapped.so", tmp_path / "plain.so"
-    subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(wrapped)], check=True)
-    subprocess.run([shutil.which("g++") or "g++", "-shared", "-fPIC", str(src), "-o", str(plain)], check=True)
-
-    def symbols(path: Path) -> str:
-        return subprocess.run(["readelf", "-Ws", str(path)], capture_output=True, text=True).stdout
-
-    assert "UNIQUE" in symbols(plain)
-    assert "UNIQUE" not in symbols(wrapped)
+    # which the dynamic linker binds process-wide, across libraries.
+    wrapped, plain = _wrapped_and_plain(
+        tmp_path, "inline int& counter() { static int c = 0; return c; }\nint bump() { return ++counter(); }\n", "-Ws")
+    assert "UNIQUE" in plain
+    assert "UNIQUE" not in wrapped

@@ -30,19 +30,24 @@ def _run_child(code: str, *args: str, timeout: int = 300) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_non_utf8_byte_in_the_code_key_is_an_escaped_error_not_an_abort(src, tmp_path):
-    data = src.read_bytes()
-    at, m, encoded = _manifest_span(data)
-    key_at = data.index(m.compiled_code_key.encode(), at)
-    assert key_at < at + len(encoded)
-    path = _patched(src, tmp_path / "key.pte", key_at + 15, b"\xff")
-    child = _run_child("""
+def _load_in_child(path: Path) -> subprocess.CompletedProcess:
+    """Load `path` in a child: prints REJECTED for a clean refusal; a crash shows in the return code."""
+    return _run_child("""
         import offgraph_kv.runtime
         try:
             offgraph_kv.runtime.load_method(sys.argv[1])
         except RuntimeError:
             print("REJECTED")
     """, str(path))
+
+
+def test_a_non_utf8_byte_in_the_code_key_is_an_escaped_error_not_an_abort(src, tmp_path):
+    data = src.read_bytes()
+    at, m, encoded = _manifest_span(data)
+    key_at = data.index(m.compiled_code_key.encode(), at)
+    assert key_at < at + len(encoded)
+    path = _patched(src, tmp_path / "key.pte", key_at + 15, b"\xff")
+    child = _load_in_child(path)
     assert child.returncode == 0, child.stderr[-2000:]
     assert "REJECTED" in child.stdout
     assert "\\xff" in child.stderr and "is not in the program's named data" in child.stderr
@@ -50,13 +55,7 @@ def test_a_non_utf8_byte_in_the_code_key_is_an_escaped_error_not_an_abort(src, t
 
 def test_a_non_utf8_step_width_spec_is_an_escaped_error_not_an_abort(src, tmp_path):
     path = _patched(src, tmp_path / "spec.pte", _step_width_value_offset(src.read_bytes()), b"\xff:1")
-    child = _run_child("""
-        import offgraph_kv.runtime
-        try:
-            offgraph_kv.runtime.load_method(sys.argv[1])
-        except RuntimeError:
-            print("REJECTED")
-    """, str(path))
+    child = _load_in_child(path)
     assert child.returncode == 0, child.stderr[-2000:]
     assert "REJECTED" in child.stdout and "\\xff:1" in child.stderr
 

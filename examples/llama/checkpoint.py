@@ -318,14 +318,21 @@ _HF_TOP_NAMES = {
 }
 
 
+def map_tensor_name(name: str, top: Mapping[str, str], per_layer: "re.Pattern[str]",
+                    layer_names: Mapping[str, str]) -> Optional[str]:
+    """model.py's name for a checkpoint tensor: a top-level name from ``top``, or
+    ``per_layer`` matching (layer index, suffix) with the suffix in ``layer_names``."""
+    if name in top:
+        return top[name]
+    m = per_layer.match(name)
+    if m and m.group(2) in layer_names:
+        return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
+    return None
+
+
 def hf_to_model_name(name: str) -> Optional[str]:
     """model.py's name for a Hugging Face Llama tensor name, or None if it has none."""
-    if name in _HF_TOP_NAMES:
-        return _HF_TOP_NAMES[name]
-    m = _HF_LAYER.match(name)
-    if m and m.group(2) in _HF_LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
-    return None
+    return map_tensor_name(name, _HF_TOP_NAMES, _HF_LAYER, _HF_LAYER_NAMES)
 
 
 def hf_args(config: Mapping[str, object]) -> ModelArgs:

@@ -29,6 +29,7 @@ import torch
 from checkpoint import (
     LoadedCheckpoint,
     build_model,
+    map_tensor_name,
     parse_dtype,
     permute_interleaved_to_half,
 )
@@ -207,12 +208,7 @@ def _llama3_scaling_for(args: ModelArgs, divisors: torch.Tensor, f: GGUFFile) ->
 
 def gguf_to_model_name(name: str) -> Optional[str]:
     """model.py's name for a GGUF (llama.cpp) tensor name, or None if it has none."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _BLOCK.match(name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}"
-    return None
+    return map_tensor_name(name, _TOP_NAMES, _BLOCK, _BLOCK_NAMES)
 
 
 def _dequantize(f: GGUFFile, tensor: object) -> torch.Tensor:
