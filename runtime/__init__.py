@@ -29,10 +29,12 @@ def configure(
     max_capacity: Optional[int] = None,
     growth_factor: Optional[float] = None,
     rewind_budget: Optional[int] = None,
+    num_threads: Optional[int] = None,
 ) -> None:
     """Override the export-time growth policy (and the rings' rewind budget:
     extra slots that let a ring layer be rewound further) for methods loaded
-    from now on.
+    from now on. ``num_threads``: threads per step of the compiled code (default:
+    one for decode steps, the process's OpenMP setting for wider ones).
 
     Goes through ExecuTorch's backend-options mechanism (``set_option``), so a
     C++ host does the same with ``executorch::runtime::set_option``. ``None``
@@ -46,11 +48,14 @@ def configure(
         raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
     if rewind_budget is not None and not 0 <= int(rewind_budget) < 2**24:
         raise ValueError(f"rewind_budget must be in [0, 2**24), got {rewind_budget}")
+    if num_threads is not None and not 1 <= int(num_threads) <= 1024:
+        raise ValueError(f"num_threads must be in [1, 1024], got {num_threads}")
     set_options(
         int(initial_capacity or 0),
         int(max_capacity or 0),
         "" if growth_factor is None else repr(float(growth_factor)),
         -1 if rewind_budget is None else int(rewind_budget),
+        int(num_threads or 0),
     )
 
 

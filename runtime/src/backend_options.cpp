@@ -15,6 +15,7 @@ struct Overrides {
   size_t max_capacity = 0;
   double growth_factor = 0;
   long rewind_budget = -1;  // -1: the export default (0 is a budget)
+  size_t num_threads = 0;
 };
 
 std::mutex& overrides_mutex() {
@@ -30,6 +31,15 @@ Overrides& overrides() {
 // Parses one option into `o`; false with a message when key or type is wrong.
 bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
   const std::string key = opt.key;
+  if (key == "num_threads") {
+    const int* v = std::get_if<int>(&opt.value);
+    if (v == nullptr || *v < 0 || *v > 1024) {
+      *why = "backend option num_threads must be an int in [0, 1024] (0: one thread for decode steps)";
+      return false;
+    }
+    o->num_threads = size_t(*v);
+    return true;
+  }
   if (key == "initial_capacity" || key == "max_capacity") {
     const int* v = std::get_if<int>(&opt.value);
     if (v == nullptr || *v < 0) {
@@ -68,7 +78,7 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
     o->growth_factor = f;
     return true;
   }
-  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor, rewind_budget)";
+  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor, rewind_budget, num_threads)";
   return false;
 }
 
@@ -77,6 +87,7 @@ void merge(const Overrides& o, GrowthPolicy* p) {
   if (o.max_capacity) p->max_capacity = o.max_capacity;
   if (o.growth_factor > 0) p->growth_factor = o.growth_factor;
   if (o.rewind_budget >= 0) p->rewind_budget = size_t(o.rewind_budget);
+  if (o.num_threads) p->num_threads = o.num_threads;
 }
 
 }  // namespace
@@ -100,6 +111,7 @@ Status read_options(Span<BackendOption> options) {
     if (key == "initial_capacity") opt.value = int(o.initial_capacity);
     else if (key == "max_capacity") opt.value = int(o.max_capacity);
     else if (key == "rewind_budget") opt.value = int(o.rewind_budget);
+    else if (key == "num_threads") opt.value = int(o.num_threads);
     else if (key == "growth_factor") {
       std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
       if (o.growth_factor > 0) std::snprintf(text.data(), text.size(), "%g", o.growth_factor);

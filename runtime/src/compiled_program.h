@@ -52,6 +52,7 @@ class CompiledProgram {
   CompiledProgram& operator=(const CompiledProgram&) = delete;
 
   size_t num_inputs() const { return num_inputs_; }
+  void* library() const { return library_; }
   size_t num_outputs() const { return num_outputs_; }
 
   // Runs with the given inputs (memory borrowed, never owned by the program),

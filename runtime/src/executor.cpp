@@ -65,6 +65,8 @@ std::unique_ptr<StepExecutor> StepExecutor::create(const ManifestInfo& manifest,
   ex->manifest_ = manifest;
   ex->width_at_ = width_at;
   ex->program_ = std::move(program);
+  ex->threads_ = std::make_unique<StepThreads>(ex->program_->library());
+  ex->num_threads_ = policy.num_threads;
   ex->io_ = io_for(manifest.device, status);
   if (!ex->io_) return nullptr;
   std::unique_ptr<KVStore> store = KVStore::create(manifest.tensors, policy, manifest.max_write, ex->io_->memory(), status);
@@ -136,6 +138,10 @@ Status StepExecutor::run_prepared(Span<EValue*> args, int64_t* run_ns) {
   }
   if (m.has_length_input && !(s = io_->stage_length(int64_t(store_->length()), &inputs_[m.length_input])).ok())
     return s;
+  // Decode steps (one token) read every weight once: bandwidth-bound, no faster
+  // with more threads, and far slower when another job holds a core.
+  const size_t width = size_t(args[width_at_.input_index]->toTensor().size(width_at_.dim));
+  StepThreads::Scope threads(*threads_, num_threads_ ? num_threads_ : (width == 1 ? 1 : 0));
   const int64_t start = now_ns();
   s = program_->run(
       inputs_, io_->stream(),

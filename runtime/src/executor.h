@@ -21,6 +21,7 @@
 #include "manifest_reader.h"
 #include "status.h"
 #include "step_io.h"
+#include "step_threads.h"
 #include "step_width.h"
 
 namespace offgraph_kv {
@@ -50,6 +51,8 @@ class StepExecutor {
   std::unique_ptr<StepIO> io_;      // declared before the store: storage is freed on its stream first
   std::shared_ptr<KVStore> store_;
   std::vector<TensorDesc> inputs_;  // reused every step: no per-step allocation
+  std::unique_ptr<StepThreads> threads_;
+  size_t num_threads_ = 0;  // the load-time option (0: the default rule)
 };
 
 }  // namespace offgraph_kv

@@ -14,6 +14,10 @@ struct GrowthPolicy {
   // max_write a ring layer can still be rewound exactly (the store's load-time
   // policy, beside growth).
   size_t rewind_budget = 0;
+  // Threads the compiled code's parallel loops use per step; 0: one for decode
+  // steps (bandwidth-bound: more threads do not help, and collapse when another
+  // job holds a core), the process's OpenMP setting for wider steps.
+  size_t num_threads = 0;
 
   // Empty when valid, otherwise a message naming the offending field.
   std::string validate(size_t capacity_bound) const;

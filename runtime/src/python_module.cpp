@@ -157,29 +157,33 @@ PYBIND11_MODULE(_runtime, m) {
   m.def("stores", &live_stores, "The stores of the methods loaded in this process, oldest first.");
   m.def(
       "set_options",
-      [](int initial_capacity, int max_capacity, const std::string& growth_factor, int rewind_budget) {
+      [](int initial_capacity, int max_capacity, const std::string& growth_factor, int rewind_budget,
+         int num_threads) {
         executorch::runtime::BackendOption opts[] = {
             make_int("initial_capacity", initial_capacity),
             make_int("max_capacity", max_capacity),
             make_text("growth_factor", growth_factor),
             make_int("rewind_budget", rewind_budget),
+            make_int("num_threads", num_threads),
         };
-        const auto e = executorch::runtime::set_option(kBackendName, {opts, 4});
+        const auto e = executorch::runtime::set_option(kBackendName, {opts, 5});
         if (e != executorch::runtime::Error::Ok)
           throw std::invalid_argument("OffGraphKVBackend rejected the options (error " + std::to_string(int(e)) +
                                       "; see the log for which)");
       },
-      py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"), py::arg("rewind_budget") = -1);
+      py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"), py::arg("rewind_budget") = -1, py::arg("num_threads") = 0);
   m.def("get_options", []() {
     executorch::runtime::BackendOption opts[] = {make_int("initial_capacity", 0), make_int("max_capacity", 0),
-                                                 make_text("growth_factor", ""), make_int("rewind_budget", -1)};
-    const auto e = executorch::runtime::get_option(kBackendName, {opts, 4});
+                                                 make_text("growth_factor", ""), make_int("rewind_budget", -1),
+                                                 make_int("num_threads", 0)};
+    const auto e = executorch::runtime::get_option(kBackendName, {opts, 5});
     if (e != executorch::runtime::Error::Ok) throw std::runtime_error("get_option failed");
     py::dict d;
     d["initial_capacity"] = std::get<int>(opts[0].value);
     d["max_capacity"] = std::get<int>(opts[1].value);
     d["growth_factor"] = std::string(std::get<2>(opts[2].value).data());
     d["rewind_budget"] = std::get<int>(opts[3].value);
+    d["num_threads"] = std::get<int>(opts[4].value);
     return d;
   });
 }
