@@ -89,3 +89,30 @@ def test_cuda_growth_copy_runs_at_memcpy_speed():
     # A gross-regression guard (a per-row or per-layer fallback is several times
     # slower); the bandwidth itself is benchmarks/cuda_growth.py's to report.
     assert t["copy_device_seconds"] < 2 * memcpy, (t, memcpy)
+
+
+def test_cuda_rewind_and_saved_context_continue_like_the_oracle(pte_factory, model, tmp_path):
+    layers = (LayerPolicy.ring(6), LayerPolicy.flat(), LayerPolicy.ring(16))
+    path = pte_factory(device="cuda", storage_dtype=torch.float32, initial_capacity=8, layers=layers, max_write=8)
+    session = load_configured(path, rewind_budget=4)
+    hist = prompt(30, seed=5)[0].tolist()
+    for start in range(0, 30, 8):
+        session.step(torch.tensor([hist[start:start + 8]]))
+    # Back 12 (max_write + budget) over a growth and a ring wrap, then on like a fresh oracle fed what is kept.
+    session.store.rewind(12)
+    session.length -= 12
+    kept = hist[:18]
+    saved = tmp_path / "ctx.ogkv"
+    session.store.save(str(saved))
+    resumed = load_configured(path, rewind_budget=4)
+    resumed.store.load(str(saved))
+    resumed.length = resumed.store.length
+    oracle = Oracle(model, torch.float32, layers=layers)
+    for start in range(0, 18, 8):
+        oracle.step(torch.tensor([kept[start:start + 8]]))
+    nxt = prompt(1, seed=6)
+    for _ in range(20):
+        want = oracle.step(nxt)
+        torch.testing.assert_close(session.step(nxt), want, atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(resumed.step(nxt), want, atol=1e-3, rtol=1e-3)
+        nxt = greedy(want)
