@@ -1,14 +1,17 @@
-"""AOTInductor compilation of the bound program into one self-contained shared object."""
+"""AOTInductor compilation of the bound program: a shared object of kernels, and its weights."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import List, Sequence, Tuple
 
 import torch
 from torch.export import ExportedProgram
+
+from offgraph_kv.backend.weights import CollectedWeight, load_collected
 
 
 def target_of(device: str) -> str:
@@ -71,9 +74,16 @@ from offgraph_kv.backend.attention import COMPILE_DECOMPOSITIONS
 ep = torch.export.load(sys.argv[1]).run_decompositions(COMPILE_DECOMPOSITIONS)
 args = torch.load(sys.argv[2])
 options = torch.load(sys.argv[3])
+module = ep.module()
 with torch.no_grad():
-    path = torch._inductor.aot_compile(ep.module(), tuple(args), options=options)
-print(path if isinstance(path, str) else [p for p in path if p.endswith(".so")][0])
+    path = torch._inductor.aot_compile(module, tuple(args), options=options)
+path = path if isinstance(path, str) else [p for p in path if p.endswith(".so")][0]
+index = ""
+if not options["aot_inductor.package_constants_in_so"]:
+    from offgraph_kv.backend.weights import collect_weights
+    index = collect_weights(path, sys.argv[4], module, sys.argv[5])
+print(path)
+print(index)
 """
 
 
@@ -95,7 +105,7 @@ def symbolic_compile_env() -> dict:
 
 
 def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[torch.Tensor], options: dict,
-                              workdir: str) -> str:
+                              workdir: str, device: str) -> Tuple[str, str]:
     """Compile in a process whose inductor starts with the symbolic linker.
 
     Inductor reads $CXX at import and keeps compiled objects in its cache, so
@@ -108,20 +118,34 @@ def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[t
     torch.export.save(program, ep_path)
     torch.save(list(example_args), args_path)
     torch.save(options, opt_path)
-    done = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, ep_path, args_path, opt_path],
+    done = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, ep_path, args_path, opt_path, device, workdir],
                           env=symbolic_compile_env(), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"AOTInductor compile failed:\n{done.stderr[-4000:]}")
-    return done.stdout.strip().splitlines()[-1]
+    so_path, index = done.stdout.splitlines()[-2:]
+    return so_path.strip(), index.strip()
 
 
-def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch.Tensor], device: str) -> bytes:
-    """Compile ``program`` and return the bytes of its shared object (weights and kernels inside)."""
+@dataclass
+class CompiledCode:
+    """The compiled shared object and, when they are kept outside it, its weights."""
+
+    so_bytes: bytes
+    weights: List[CollectedWeight] = field(default_factory=list)
+
+
+def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch.Tensor], device: str,
+                          weights_in_code: bool = False) -> CompiledCode:
+    """Compile ``program``: the shared object (kernels inside) and its weights.
+
+    By default the weights stay out of the shared object (``weights.py`` says
+    why and where they go); ``weights_in_code=True`` compiles them in, as
+    before (programs up to ~2 GB; kept for comparison).
+    """
     outdir = tempfile.mkdtemp(prefix="offgraph_kv_aoti_")
     options = {
         "aot_inductor.package": False,
-        # Weights travel inside the .so, the one artifact the runtime loads.
-        "aot_inductor.package_constants_in_so": True,
+        "aot_inductor.package_constants_in_so": weights_in_code,
         "aot_inductor.output_path": os.path.join(outdir, "program.so"),
         # Export specialises sizes 0 and 1 away and would reject a one-token step
         # or a one-row cache; the program is correct for them.
@@ -132,8 +156,9 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         # compile's cache directory at run time: gone on any other machine.
         options["aot_inductor.embed_kernel_binary"] = True
     try:
-        path = _compile_in_fresh_process(program, example_args, options, outdir)
+        path, index = _compile_in_fresh_process(program, example_args, options, outdir, device)
         with open(path, "rb") as f:
-            return f.read()
+            so_bytes = f.read()
+        return CompiledCode(so_bytes, load_collected(index) if index else [])
     finally:
         shutil.rmtree(outdir, ignore_errors=True)

@@ -24,7 +24,15 @@ from offgraph_kv.backend.private_tensors import (
 )
 from offgraph_kv.backend.step_width import locate
 from offgraph_kv.backend.storage_omission import prove_storage_omission
-from offgraph_kv.schemas.manifest import SCALAR_TYPES, InputDim, Manifest, PrivateTensor, UserInput
+from offgraph_kv.backend.weights import add_weights_to_store, check_weights_are_read_only, weights_in_code_requested
+from offgraph_kv.schemas.manifest import (
+    SCALAR_TYPES,
+    WEIGHTS_IN_CODE_VERSION,
+    InputDim,
+    Manifest,
+    PrivateTensor,
+    UserInput,
+)
 
 log = logging.getLogger(__name__)
 
@@ -200,18 +208,25 @@ class OffGraphKVBackend(BackendDetails):
         with torch.no_grad():
             compiled_ep = torch.export.export(wrapper, tuple(examples + private), dynamic_shapes={"args": tuple(dyn)}, strict=False)
         num_outputs = len(compiled_ep.graph_signature.user_outputs)
-        so_bytes = compile_shared_object(compiled_ep, examples + private, device)
+        weights_in_code = weights_in_code_requested()
+        if not weights_in_code:
+            check_weights_are_read_only(compiled_ep)
+        code = compile_shared_object(compiled_ep, examples + private, device, weights_in_code=weights_in_code)
+        so_bytes = code.so_bytes
         code_key = "offgraph_kv_" + hashlib.sha256(so_bytes).hexdigest()[:32] + "_so"
 
         manifest = build_manifest(sites, specs, len(inputs), num_outputs, code_key, target_of(device),
                                   wrapper.has_length_input, described, width_bound)
+        # Weights outside the code (weights.py): listed in the manifest, bytes as named data.
+        manifest.weights = [w.spec for w in code.weights]
+        manifest.version = WEIGHTS_IN_CODE_VERSION if weights_in_code else manifest.version
         validate_manifest(manifest, compiled_ep)
         report = prove_storage_omission(compiled_ep, edge_program, manifest)
-        log.info("offgraph-kv: %d weight bytes compiled in, %d KV bytes/token left to the runtime",
-                 report.weight_bytes, report.kv_bytes_per_token)
-
         store = NamedDataStore()
         store.add_named_data(code_key, so_bytes, 16, None)
+        outside = add_weights_to_store(code.weights, store)
+        log.info("offgraph-kv: %d weight bytes (%d as named data outside the %d-byte code), %d KV bytes/token left "
+                 "to the runtime", report.weight_bytes, outside, len(so_bytes), report.kv_bytes_per_token)
         return PreprocessResult(
             processed_bytes=manifest.to_bytes(),
             debug_handle_map={},

@@ -9,5 +9,6 @@ from offgraph_kv.schemas.manifest import (  # noqa: F401
     Manifest,
     ManifestError,
     PrivateTensor,
+    WeightSpec,
     dtype_from_name,
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -11,7 +11,11 @@ from offgraph_kv.schemas import manifest_generated as fb
 
 # Bump when a reader of the previous version could misread a new manifest.
 # 2: the delegate inputs (dtype, static / step-width / dynamic dims) and the width bound.
-MANIFEST_VERSION = 2
+# 3: weights outside the compiled code (a version-2 runtime would run the code
+# without them). Version 2 programs (weights inside the code) still load.
+MANIFEST_VERSION = 3
+WEIGHTS_IN_CODE_VERSION = 2
+READABLE_VERSIONS = (2, 3)
 FILE_IDENTIFIER = b"OGKV"
 
 STORAGE_DTYPES = {
@@ -97,6 +101,21 @@ class UserInput:
         return [d for d, dim in enumerate(self.dims) if dim.kind == "width"]
 
 
+@dataclass(frozen=True)
+class WeightSpec:
+    """One constant of the compiled code kept as named data (manifest version 3)."""
+
+    name: str  # the AOTI container's constant name
+    fqn: str
+    data_key: str
+    dtype: int  # c10::ScalarType code
+    nbytes: int  # storage bytes
+    sizes: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    storage_offset: int = 0
+    crc32: int = 0  # zlib.crc32 of the bytes, checked at load
+
+
 @dataclass
 class Manifest:
     device: str
@@ -116,6 +135,7 @@ class Manifest:
     inputs: List[UserInput] = field(default_factory=list)  # the delegate inputs, in args order
     width_bound: int = 0  # export bound of the step width
     rewind_budget: int = 0  # export default of the rings' extra slots
+    weights: List[WeightSpec] = field(default_factory=list)  # version 3: weights outside the code
 
     def kv_bytes_per_token(self) -> int:
         return sum(t.bytes_per_row() for t in self.tensors)
@@ -162,6 +182,8 @@ class Manifest:
             p.storageDtype = STORAGE_DTYPES[t.storage_dtype]
             p.compiledInput = t.compiled_input
             m.tensors.append(p)
+        if self.version >= 3:
+            m.weights = [_pack_weight(w) for w in self.weights]
         import flatbuffers
 
         builder = flatbuffers.Builder(256)
@@ -173,7 +195,7 @@ class Manifest:
         if len(data) < 8 or not fb.Manifest.ManifestBufferHasIdentifier(data, 0):
             raise ManifestError("not an offgraph-kv manifest (missing 'OGKV' identifier)")
         m = fb.ManifestT.InitFromPackedBuf(bytearray(data), 0)
-        if m.version != MANIFEST_VERSION:
+        if m.version not in READABLE_VERSIONS:
             raise ManifestError(f"manifest version {m.version} is not supported (expected {MANIFEST_VERSION})")
         if m.target is None or m.compiledCodeKey is None or m.tensors is None or m.inputs is None:
             raise ManifestError("manifest lacks a required field (target, compiled_code_key, tensors or inputs)")
@@ -213,4 +235,21 @@ class Manifest:
                 )
                 for p in m.tensors
             ],
+            weights=[_unpack_weight(w) for w in (m.weights or [])],
         )
+
+
+def _pack_weight(w: WeightSpec) -> "fb.WeightT":
+    t = fb.WeightT()
+    t.name, t.fqn, t.dataKey = w.name, w.fqn, w.data_key
+    t.dtype, t.nbytes, t.storageOffset = w.dtype, w.nbytes, w.storage_offset
+    t.sizes, t.strides = list(w.sizes), list(w.strides)
+    t.crc32 = w.crc32
+    return t
+
+
+def _unpack_weight(t: "fb.WeightT") -> WeightSpec:
+    return WeightSpec(name=t.name.decode(), fqn=(t.fqn or b"").decode(), data_key=t.dataKey.decode(), dtype=t.dtype,
+                      nbytes=t.nbytes, sizes=tuple(int(x) for x in (t.sizes if t.sizes is not None else ())),
+                      strides=tuple(int(x) for x in (t.strides if t.strides is not None else ())),
+                      storage_offset=t.storageOffset, crc32=t.crc32)

@@ -154,6 +154,13 @@ Status CompiledProgram::run_raw(const std::vector<TensorDesc>& inputs, void* str
   return Status::ok_status();
 }
 
+std::string CompiledProgram::last_error() const {
+  const char* msg = nullptr;
+  if (last_error_ != nullptr) last_error_(&msg);
+  const std::string text = msg && *msg ? msg : "no message";
+  return text.substr(0, text.find('\n'));
+}
+
 Status CompiledProgram::describe(AtenTensorHandle h, OutputView* out) const {
   void* data = nullptr;
   int64_t* sizes = nullptr;

@@ -52,7 +52,11 @@ class CompiledProgram {
   CompiledProgram& operator=(const CompiledProgram&) = delete;
 
   size_t num_inputs() const { return num_inputs_; }
+  // For binding weights kept outside the code (weights.cpp).
   void* library() const { return library_; }
+  AOTInductorModelContainerHandle container() const { return container_; }
+  int32_t device_type() const { return device_type_; }
+  std::string last_error() const;
   size_t num_outputs() const { return num_outputs_; }
 
   // Runs with the given inputs (memory borrowed, never owned by the program),

@@ -16,6 +16,7 @@
 #include "manifest_reader.h"
 #include "step_width.h"
 #include "store_registry.h"
+#include "weights.h"
 
 namespace offgraph_kv {
 
@@ -32,6 +33,7 @@ using executorch::runtime::Result;
 namespace {
 
 struct DelegateState {
+  std::unique_ptr<BoundWeights> weights;  // declared before the executor: freed after the container that reads it
   std::unique_ptr<StepExecutor> executor;
 };
 
@@ -131,6 +133,11 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
                            std::to_string(m.num_outputs) + " outputs, the compiled code has " +
                            std::to_string(program->num_inputs()) + " and " + std::to_string(program->num_outputs())),
                 "init");
+  // Weights kept outside the code (weights.h): checked against the code, then bound.
+  if (m.weights_outside_code()) {
+    state->weights = BoundWeights::bind(*program, m.weights, *data_map, m.device == DeviceKind::CUDA, &s);
+    if (!state->weights) return fail(s, "init");
+  }
 
   const GrowthPolicy policy = resolve_policy(m.defaults, context.runtime_specs());
   const std::string bad = policy.validate(m.capacity_bound);

@@ -25,7 +25,7 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
   if (!fb::VerifyManifestBuffer(verifier))
     return invalid("corrupt or truncated FlatBuffer, or a required field is missing");
   const fb::Manifest* m = fb::GetManifest(bytes);
-  if (m->version() != kManifestVersion)
+  if (m->version() < kOldestManifestVersion || m->version() > kManifestVersion)
     return invalid("version " + std::to_string(m->version()) + " is not supported (this runtime reads version " +
                    std::to_string(kManifestVersion) + ")");
   if (m->layout() != fb::Layout::SequenceMajor) return invalid("unknown layout " + std::to_string(int(m->layout())));
@@ -137,7 +137,7 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
       return invalid(where + ": a ring layer needs the length input, which the manifest lacks");
     out->tensors.push_back(t);
   }
-  return Status::ok_status();
+  return read_weight_specs(m, &out->weights);
 }
 
 Status check_target(const std::string& target, DeviceKind device) {

@@ -10,10 +10,12 @@
 #include "growth_policy.h"
 #include "tensor_spec.h"
 #include "status.h"
+#include "weights.h"
 
 namespace offgraph_kv {
 
-constexpr uint32_t kManifestVersion = 2;
+constexpr uint32_t kManifestVersion = 3;  // 3: weights outside the compiled code
+constexpr uint32_t kOldestManifestVersion = 2;  // 2: weights inside the code, still loadable
 
 enum class DeviceKind : int8_t { CPU = 0, CUDA = 1 };
 
@@ -33,6 +35,9 @@ struct ManifestInfo {
   uint32_t length_input = 0;
   std::vector<InputSpec> inputs;  // the delegate inputs, in the order of execute's args
   uint32_t width_bound = 0;       // export bound of the step width (>= max_write)
+  std::vector<WeightSpec> weights;  // version 3: bound at init (weights.h); version 2: inside the code
+
+  bool weights_outside_code() const { return version >= 3; }
 
   size_t num_compiled_inputs() const { return num_user_inputs + tensors.size() + (has_length_input ? 1 : 0); }
 };
