@@ -38,6 +38,9 @@ SHAPES: Dict[str, Dict[str, object]] = {
     # Llama-3.2-1B shape, untied output: 1.50 B parameters, 3.0 GB in bf16.
     "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
                rope_theta=500000.0),
+    # Llama-3-8B shape: 8.0 B parameters, 16 GB in bf16 (the H200 only).
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=14336,
+               rope_theta=500000.0),
 }
 
 
