@@ -263,7 +263,11 @@ std::unique_ptr<BoundWeights> BoundWeights::bind(CompiledProgram& program, const
       return nullptr;
     }
     const WeightSpec& w = *it->second;
-    if (w.dtype != dtype || w.nbytes != bytes) {
+    // AOTI reports a constant's size padded to its 64-byte alignment (a 352-byte
+    // bias reads as 384): the manifest's exact size must round up to it.
+    constexpr size_t kAlign = 64;
+    const bool same_size = w.nbytes == bytes || (bytes % kAlign == 0 && w.nbytes < bytes && bytes - w.nbytes < kAlign);
+    if (w.dtype != dtype || !same_size) {
       *status = invalid(describe(w) + ": the manifest says dtype " + std::to_string(w.dtype) + ", " +
                         std::to_string(w.nbytes) + " bytes; the compiled code expects dtype " + std::to_string(dtype) +
                         ", " + std::to_string(bytes) + " bytes");
