@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 // One test builds a manifest that lacks a required field on purpose; the
@@ -13,7 +14,12 @@
 
 namespace offgraph_kv::testing {
 
-inline std::vector<uint8_t> build_manifest(uint32_t version, int8_t dtype = 2, bool with_key = true, bool with_inputs = true) {
+using WeightList = flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<offgraph_kv::schema::Weight>>>;
+
+// `weights`, when given, adds the manifest's weight list (weights outside the code).
+inline std::vector<uint8_t> build_manifest(uint32_t version, int8_t dtype = 2, bool with_key = true,
+                                           bool with_inputs = true,
+                                           const std::function<WeightList(flatbuffers::FlatBufferBuilder&)>& weights = {}) {
   namespace fb = offgraph_kv::schema;
   flatbuffers::FlatBufferBuilder b;
   // tokens Long [1, T], positions Long [T, 1]
@@ -27,6 +33,7 @@ inline std::vector<uint8_t> build_manifest(uint32_t version, int8_t dtype = 2, b
   for (uint32_t i = 0; i < 2; ++i)
     ts.push_back(fb::CreatePrivateTensor(b, 0, i == 0 ? fb::TensorRole::Key : fb::TensorRole::Value,
                                          fb::LayerKind::Flat, 0, 2, 8, static_cast<fb::StorageDType>(dtype), 2 + i));
+  const WeightList weight_list = weights ? weights(b) : WeightList();
   auto target = b.CreateString("cpu:scalar");
   auto key = with_key ? b.CreateString("code") : 0;
   auto vec = b.CreateVector(ts);
@@ -45,6 +52,7 @@ inline std::vector<uint8_t> build_manifest(uint32_t version, int8_t dtype = 2, b
   mb.add_growth_factor(2.0f);
   mb.add_width_bound(32);
   if (with_inputs) mb.add_inputs(inputs);
+  if (weights) mb.add_weights(weight_list);
   b.Finish(mb.Finish(), fb::ManifestIdentifier());
   return {b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize()};
 }

@@ -17,43 +17,14 @@ namespace {
 std::vector<uint8_t> manifest_with_weight(std::vector<int64_t> sizes, std::vector<int64_t> strides, uint64_t nbytes,
                                           int32_t dtype, int copies = 1) {
   namespace fb = offgraph_kv::schema;
-  flatbuffers::FlatBufferBuilder b;
-  const fb::InputDim tokens[] = {{fb::DimKind::Static, 1}, {fb::DimKind::StepWidth, 0}};
-  const fb::InputDim pos[] = {{fb::DimKind::StepWidth, 0}, {fb::DimKind::Static, 1}};
-  std::vector<flatbuffers::Offset<fb::UserInput>> us = {
-      fb::CreateUserInput(b, 4, b.CreateVectorOfStructs(tokens, 2)),
-      fb::CreateUserInput(b, 4, b.CreateVectorOfStructs(pos, 2))};
-  auto inputs = b.CreateVector(us);
-  std::vector<flatbuffers::Offset<fb::PrivateTensor>> ts;
-  for (uint32_t i = 0; i < 2; ++i)
-    ts.push_back(fb::CreatePrivateTensor(b, 0, i == 0 ? fb::TensorRole::Key : fb::TensorRole::Value,
-                                         fb::LayerKind::Flat, 0, 2, 8, fb::StorageDType::BFloat16, 2 + i));
-  std::vector<flatbuffers::Offset<fb::Weight>> ws;
-  for (int i = 0; i < copies; ++i)
-    ws.push_back(fb::CreateWeight(b, b.CreateString("layers_0_w"), b.CreateString("layers.0.w"), b.CreateString("key0"),
-                                  dtype, nbytes, b.CreateVector(sizes), b.CreateVector(strides), 0));
-  auto weights = b.CreateVector(ws);
-  auto target = b.CreateString("cpu:scalar");
-  auto key = b.CreateString("code");
-  auto vec = b.CreateVector(ts);
-  fb::ManifestBuilder mb(b);
-  mb.add_version(kManifestVersion);
-  mb.add_target(target);
-  mb.add_compiled_code_key(key);
-  mb.add_tensors(vec);
-  mb.add_batch(1);
-  mb.add_num_user_inputs(2);
-  mb.add_num_outputs(1);
-  mb.add_max_write(32);
-  mb.add_capacity_bound(1 << 20);
-  mb.add_initial_capacity(16);
-  mb.add_max_capacity(1024);
-  mb.add_growth_factor(2.0f);
-  mb.add_width_bound(32);
-  mb.add_inputs(inputs);
-  mb.add_weights(weights);
-  b.Finish(mb.Finish(), fb::ManifestIdentifier());
-  return {b.GetBufferPointer(), b.GetBufferPointer() + b.GetSize()};
+  return build_manifest(kManifestVersion, 2, true, true, [&](flatbuffers::FlatBufferBuilder& b) {
+    std::vector<flatbuffers::Offset<fb::Weight>> ws;
+    for (int i = 0; i < copies; ++i)
+      ws.push_back(fb::CreateWeight(b, b.CreateString("layers_0_w"), b.CreateString("layers.0.w"),
+                                    b.CreateString("key0"), dtype, nbytes, b.CreateVector(sizes),
+                                    b.CreateVector(strides), 0));
+    return b.CreateVector(ws);
+  });
 }
 }  // namespace
 
