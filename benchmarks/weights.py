@@ -14,6 +14,7 @@ the file cold with plain ``read`` is timed as the floor.
 
     python -m benchmarks.weights --shapes small,1b --out benchmarks/results/weights_cpu.json
     python -m benchmarks.weights --device cuda --shapes 1b --variants outside   # on the H200
+    python -m benchmarks.weights --plot OUT.png RESULT.json...                  # memory after load / weights
 """
 
 from __future__ import annotations
@@ -210,8 +211,43 @@ def _summarise(row: Dict[str, object]) -> None:
     }
 
 
+def plot(result_files: List[Path], path: Path) -> Path:
+    """Memory right after load over weight bytes, per shape and variant, from result JSONs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.cuda import finish_plot
+
+    labels, host, device = [], [], []
+    for f in result_files:
+        for r in json.loads(f.read_text())["results"]:
+            s = r.get("summary")
+            if not s:
+                labels.append(f"{r['shape']} {r['variant']} ({r['device']})\nfails to load")
+                host.append(0.0)
+                device.append(0.0)
+                continue
+            labels.append(f"{r['shape']} {r['variant']} ({r['device']})\n{s['weight_bytes'] / 1e9:.2f} GB")
+            host.append(s["rss_added_at_load_over_weights"])
+            device.append(s["device_added_at_load_over_weights"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels)), 4))
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], host, width=0.4, label="host RSS added at load")
+    ax.bar([x + 0.2 for x in xs], device, width=0.4, label="device memory added at load")
+    ax.axhline(1.1, color="k", linestyle="--", linewidth=1, label="target 1.1 x weights")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.legend(fontsize=8)
+    return Path(finish_plot(fig, ax, "", "x weight bytes", "Memory after load, weights outside vs in the code", str(path)))
+
+
 def main(argv: "List[str] | None" = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--plot":
+        out = plot([Path(f) for f in argv[2:]], Path(argv[1]))
+        print(f"wrote {out}")
+        return 0
     if argv and argv[0] == "_export":
         print(json.dumps(export(argv[1], argv[2], argv[3])))
         return 0
