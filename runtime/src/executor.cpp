@@ -123,7 +123,7 @@ Status StepExecutor::check_inputs(Span<EValue*> args, size_t* width) const {
   return Status::ok_status();
 }
 
-Status StepExecutor::run_prepared(Span<EValue*> args, int64_t* run_ns) {
+Status StepExecutor::run_prepared(Span<EValue*> args, size_t width, int64_t* run_ns) {
   const ManifestInfo& m = manifest_;
   Status s;
   for (size_t i = 0; i < m.num_user_inputs; ++i)
@@ -140,7 +140,6 @@ Status StepExecutor::run_prepared(Span<EValue*> args, int64_t* run_ns) {
     return s;
   // Decode steps (one token) read every weight once: bandwidth-bound, no faster
   // with more threads, and far slower when another job holds a core.
-  const size_t width = size_t(args[width_at_.input_index]->toTensor().size(width_at_.dim));
   StepThreads::Scope threads(*threads_, num_threads_ ? num_threads_ : (width == 1 ? 1 : 0));
   const int64_t start = now_ns();
   s = program_->run(
@@ -160,7 +159,7 @@ Status StepExecutor::execute(Span<EValue*> args) {
   if (!(s = store.prepare_step(width)).ok()) return s;
   StepGuard step(store);
   int64_t run_ns = 0;
-  if (!(s = run_prepared(args, &run_ns)).ok()) return s;
+  if (!(s = run_prepared(args, width, &run_ns)).ok()) return s;
   step.commit();
   // Host work of the step (prepare, stage, bind, commit), apart from the compiled code and its output copy.
   store.record_host_time(uint64_t(now_ns() - start - run_ns));

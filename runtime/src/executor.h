@@ -43,7 +43,7 @@ class StepExecutor {
   Status check_inputs(executorch::runtime::Span<executorch::runtime::EValue*> args, size_t* width) const;
   // Binds inputs, private tensors and the length; runs; copies outputs out
   // (`run_ns`: the compiled code's share, for host-time accounting).
-  Status run_prepared(executorch::runtime::Span<executorch::runtime::EValue*> args, int64_t* run_ns);
+  Status run_prepared(executorch::runtime::Span<executorch::runtime::EValue*> args, size_t width, int64_t* run_ns);
 
   ManifestInfo manifest_;
   StepWidthLocator width_at_;
