@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-import pytest
 from test_llama_example import toy_pte  # noqa: F401  (the shared toy export)
 
 REPO = Path(__file__).resolve().parents[1]

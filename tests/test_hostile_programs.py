@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, Session, prompt
+from conftest import REPO, prompt
 from test_bad_programs import _load_error, _manifest_span, _patched, _step_width_value_offset
 
 
