@@ -27,7 +27,7 @@ from offgraph_kv.backend.storage_omission import prove_storage_omission
 from offgraph_kv.backend.weights import add_weights_to_store, check_weights_are_read_only, weights_in_code_requested
 from offgraph_kv.schemas.manifest import (
     SCALAR_TYPES,
-    WEIGHTS_IN_CODE_VERSION,
+    CompiledInterface,
     InputDim,
     Manifest,
     PrivateTensor,
@@ -159,6 +159,21 @@ def validate_manifest(manifest: Manifest, compiled: ExportedProgram) -> None:
             )
 
 
+def compiled_interface(compiled: ExportedProgram, width_bound: int, weights_in_code: bool) -> CompiledInterface:
+    """What the compiled code takes, read from the program AOTInductor compiled:
+    the runtime checks the manifest against this, so it must not come from the
+    manifest."""
+    names = set(compiled.graph_signature.user_inputs)
+    inputs = []
+    for node in compiled.graph.nodes:
+        if node.op != "placeholder" or node.name not in names:
+            continue
+        val = node.meta["val"]
+        sizes = tuple(-1 if isinstance(n, torch.SymInt) else int(n) for n in val.shape)
+        inputs.append((SCALAR_TYPES[val.dtype], sizes))
+    return CompiledInterface(tuple(inputs), len(compiled.graph_signature.user_outputs), width_bound, weights_in_code)
+
+
 class OffGraphKVBackend(BackendDetails):
     @staticmethod
     def preprocess(edge_program: ExportedProgram, compile_specs: List[CompileSpec]) -> PreprocessResult:
@@ -213,13 +228,15 @@ class OffGraphKVBackend(BackendDetails):
             check_weights_are_read_only(compiled_ep)
         code = compile_shared_object(compiled_ep, examples + private, device, weights_in_code=weights_in_code)
         so_bytes = code.so_bytes
-        code_key = "offgraph_kv_" + hashlib.sha256(so_bytes).hexdigest()[:32] + "_so"
+        interface = compiled_interface(compiled_ep, width_bound, weights_in_code).to_bytes()
+        # One digest over the code and what it takes: the load verifies both.
+        code_key = "offgraph_kv_" + hashlib.sha256(so_bytes + interface).hexdigest()[:32] + "_so"
 
         manifest = build_manifest(sites, specs, len(inputs), num_outputs, code_key, target_of(device),
                                   wrapper.has_length_input, described, width_bound)
+        manifest.compiled_interface = interface
         # Weights outside the code (weights.py): listed in the manifest, bytes as named data.
         manifest.weights = [w.spec for w in code.weights]
-        manifest.version = WEIGHTS_IN_CODE_VERSION if weights_in_code else manifest.version
         validate_manifest(manifest, compiled_ep)
         report = prove_storage_omission(compiled_ep, edge_program, manifest)
         store = NamedDataStore()

@@ -12,10 +12,11 @@ from offgraph_kv.schemas import manifest_generated as fb
 # Bump when a reader of the previous version could misread a new manifest.
 # 2: the delegate inputs (dtype, static / step-width / dynamic dims) and the width bound.
 # 3: weights outside the compiled code (a version-2 runtime would run the code
-# without them). Version 2 programs (weights inside the code) still load.
-MANIFEST_VERSION = 3
-WEIGHTS_IN_CODE_VERSION = 2
-READABLE_VERSIONS = (2, 3)
+# without them).
+# 4: the compiled interface, covered by the code's digest; the runtime
+# cross-checks the manifest against it at load and refuses manifests without it.
+MANIFEST_VERSION = 4
+READABLE_VERSIONS = (4,)
 FILE_IDENTIFIER = b"OGKV"
 
 STORAGE_DTYPES = {
@@ -116,6 +117,39 @@ class WeightSpec:
     crc32: int = 0  # zlib.crc32 of the bytes, checked at load
 
 
+@dataclass(frozen=True)
+class CompiledInterface:
+    """What the compiled code itself takes, recorded at export from the program
+    AOTInductor compiled (not from the manifest): each input's dtype and sizes
+    (-1 for an extent chosen at run time), the outputs, the width bound, and
+    whether the constants are packaged in the code."""
+
+    inputs: Tuple[Tuple[int, Tuple[int, ...]], ...]  # (c10 dtype code, sizes)
+    num_outputs: int
+    width_bound: int
+    weights_in_code: bool
+
+    def to_bytes(self) -> bytes:
+        import flatbuffers
+
+        t = fb.CompiledInterfaceT()
+        t.inputs = []
+        for dtype, sizes in self.inputs:
+            i = fb.CompiledInputT()
+            i.dtype, i.sizes = dtype, list(sizes)
+            t.inputs.append(i)
+        t.numOutputs, t.widthBound, t.weightsInCode = self.num_outputs, self.width_bound, self.weights_in_code
+        builder = flatbuffers.Builder(256)
+        builder.Finish(t.Pack(builder))
+        return bytes(builder.Output())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "CompiledInterface":
+        t = fb.CompiledInterfaceT.InitFromPackedBuf(bytearray(data), 0)
+        inputs = tuple((i.dtype, tuple(int(x) for x in (i.sizes if i.sizes is not None else ()))) for i in t.inputs or ())
+        return cls(inputs, t.numOutputs, t.widthBound, bool(t.weightsInCode))
+
+
 @dataclass
 class Manifest:
     device: str
@@ -135,7 +169,8 @@ class Manifest:
     inputs: List[UserInput] = field(default_factory=list)  # the delegate inputs, in args order
     width_bound: int = 0  # export bound of the step width
     rewind_budget: int = 0  # export default of the rings' extra slots
-    weights: List[WeightSpec] = field(default_factory=list)  # version 3: weights outside the code
+    weights: List[WeightSpec] = field(default_factory=list)  # weights outside the code (none: inside it)
+    compiled_interface: bytes = b""  # CompiledInterface bytes, covered by the code's digest
 
     def kv_bytes_per_token(self) -> int:
         return sum(t.bytes_per_row() for t in self.tensors)
@@ -182,8 +217,8 @@ class Manifest:
             p.storageDtype = STORAGE_DTYPES[t.storage_dtype]
             p.compiledInput = t.compiled_input
             m.tensors.append(p)
-        if self.version >= 3:
-            m.weights = [_pack_weight(w) for w in self.weights]
+        m.weights = [_pack_weight(w) for w in self.weights]
+        m.compiledInterface = list(self.compiled_interface)
         import flatbuffers
 
         builder = flatbuffers.Builder(256)
@@ -236,7 +271,13 @@ class Manifest:
                 for p in m.tensors
             ],
             weights=[_unpack_weight(w) for w in (m.weights or [])],
+            compiled_interface=bytes(m.compiledInterface if m.compiledInterface is not None else ()),
         )
+
+    def interface(self) -> CompiledInterface:
+        if not self.compiled_interface:
+            raise ManifestError("manifest lacks the compiled interface (re-export with this version)")
+        return CompiledInterface.from_bytes(self.compiled_interface)
 
 
 def _pack_weight(w: WeightSpec) -> "fb.WeightT":

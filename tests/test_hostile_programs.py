@@ -70,30 +70,55 @@ def test_a_flipped_byte_in_the_compiled_code_fails_the_load_naming_the_corruptio
     assert "the program is corrupt" in err and m.compiled_code_key in err
 
 
-@pytest.mark.parametrize("field, edit", [
-    ("num_heads", lambda t: replace(t, num_heads=1)),
-    ("head_dim", lambda t: replace(t, head_dim=8)),
-], ids=["num_heads", "head_dim"])
-def test_a_manifest_disagreeing_with_the_compiled_code_fails_the_step_not_the_heap(src, tmp_path, field, edit):
+@pytest.mark.parametrize("field, edit, named", [
+    ("num_heads", lambda m: replace(m, tensors=[replace(t, num_heads=1) if i == 0 else t for i, t in enumerate(m.tensors)]),
+     "tensor 0 (layer 0 K) is BFloat16 [1, *, 1, 16] at compiled input 2, the code takes BFloat16 [1, *, 2, 16]"),
+    ("head_dim", lambda m: replace(m, tensors=[replace(t, head_dim=8) if i == 0 else t for i, t in enumerate(m.tensors)]),
+     "the code takes BFloat16 [1, *, 2, 16]"),
+    ("storage_dtype", lambda m: replace(m, tensors=[replace(t, storage_dtype=torch.float16) for t in m.tensors]),
+     "tensor 0 (layer 0 K) is Half [1, *, 2, 16] at compiled input 2, the code takes BFloat16"),
+    ("input_dtype", lambda m: replace(m, inputs=[replace(m.inputs[0], dtype=torch.int32), *m.inputs[1:]]),
+     "delegate input 0: manifest says Int, the code takes Long"),
+    ("width_bound", lambda m: replace(m, width_bound=64, max_write=64),
+     "width_bound is 64, the code was compiled for 32"),
+], ids=["num_heads", "head_dim", "storage_dtype", "input_dtype", "width_bound"])
+def test_a_manifest_disagreeing_with_the_compiled_code_is_refused_at_load_naming_the_field(src, tmp_path, field, edit,
+                                                                                           named):
     data = src.read_bytes()
     at, m, encoded = _manifest_span(data)
-    new = replace(m, tensors=[edit(t) if i == 0 else t for i, t in enumerate(m.tensors)]).to_bytes()
+    new = edit(m).to_bytes()
     assert len(new) == len(encoded)
     path = _patched(src, tmp_path / f"{field}.pte", at, new)
+    # AOTI's own per-step checks off: the load must refuse on its own.
     child = _run_child("""
-        import torch
-        from conftest import Session, prompt
-        s = Session(sys.argv[1])
-        for _ in range(3):
-            try:
-                s.step(prompt(3))
-                print("RAN")
-            except RuntimeError:
-                print("REJECTED", s.store.length)
+        import os
+        os.environ["OFFGRAPH_KV_AOTI_INPUT_CHECKS"] = "0"
+        import offgraph_kv.runtime
+        try:
+            offgraph_kv.runtime.load_method(sys.argv[1])
+            print("LOADED")
+        except RuntimeError:
+            print("REJECTED", offgraph_kv.runtime.last_error())
     """, str(path))
     assert child.returncode == 0, f"child died ({child.returncode}): {child.stderr[-2000:]}"
-    assert child.stdout.split() == ["REJECTED", "0"] * 3
-    assert "compiled code failed" in child.stderr
+    assert child.stdout.startswith("REJECTED"), child.stdout
+    assert "manifest does not match the compiled code" in child.stdout and named in child.stdout, child.stdout
+
+
+def test_a_swapped_length_input_is_refused_at_load(pte_factory, tmp_path, capfd):
+    from executorch.extension.llm.cache.reference_cache import LayerPolicy
+
+    src = pte_factory(storage_dtype=torch.float32, initial_capacity=8,
+                      layers=(LayerPolicy.ring(6), LayerPolicy.flat(), LayerPolicy.ring(16)), max_write=8)
+    at, m, encoded = _manifest_span(src.read_bytes())
+    first = m.tensors[0].compiled_input
+    swapped = replace(m, length_input=first,
+                      tensors=[replace(m.tensors[0], compiled_input=m.length_input), *m.tensors[1:]])
+    new = swapped.to_bytes()
+    assert len(new) == len(encoded)
+    err = _load_error(_patched(src, tmp_path / "length.pte", at, new), capfd)
+    assert "manifest does not match the compiled code" in err
+    assert f"at compiled input {m.length_input}, the code takes Long [1] there" in err
 
 
 def test_load_and_drop_cycles_leak_neither_memory_nor_mapped_code(src):
@@ -135,7 +160,8 @@ def test_two_hundred_fuzzed_programs_never_crash_hang_or_run_with_other_logits(p
     from fuzz_programs import failures, fuzz
 
     src = pte_factory(storage_dtype=torch.float32)
-    results = fuzz(src, seed=20261130, count=200)
+    # AOTI's own input checks off: the runtime's load-time checks hold alone.
+    results = fuzz(src, seed=20261130, count=200, aoti_checks=False)
     summary = {k: dict(v) for k, v in results.items()}
     assert sum(sum(c.values()) for c in results.values()) == 200
     assert not failures(results), summary

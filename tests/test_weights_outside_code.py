@@ -54,7 +54,7 @@ def _load_error(path: Path, capfd: pytest.CaptureFixture) -> str:
 def test_compiled_code_holds_no_weight_bytes(pte_factory, model):
     data = pte_factory(storage_dtype=torch.float32).read_bytes()
     _, m, _ = _manifest_span(data)
-    assert m.version == 3
+    assert m.version == 4
     params = dict(model.named_parameters())
     assert {w.fqn.removeprefix("program.") for w in m.weights} == set(params)
     so_at = data.index(b"\x7fELF")

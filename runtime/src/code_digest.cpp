@@ -1,6 +1,7 @@
 #include "code_digest.h"
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 
 namespace offgraph_kv {
@@ -55,38 +56,65 @@ void compress(uint32_t state[8], const uint8_t block[64]) {
 
 }  // namespace
 
-std::string sha256_hex(const void* data, size_t size) {
-  uint32_t state[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+Sha256::Sha256()
+    : state_{0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19} {}
+
+void Sha256::update(const void* data, size_t size) {
   const auto* p = static_cast<const uint8_t*>(data);
-  size_t left = size;
-  for (; left >= 64; left -= 64, p += 64) compress(state, p);
+  total_ += size;
+  if (buffered_ > 0) {
+    const size_t take = std::min(size, sizeof(block_) - buffered_);
+    std::memcpy(block_ + buffered_, p, take);
+    buffered_ += take;
+    p += take;
+    size -= take;
+    if (buffered_ < sizeof(block_)) return;
+    compress(state_, block_);
+    buffered_ = 0;
+  }
+  for (; size >= 64; size -= 64, p += 64) compress(state_, p);
+  std::memcpy(block_, p, size);
+  buffered_ = size;
+}
+
+std::string Sha256::hex() {
   // Padding: a 1 bit, zeros, then the message length in bits (big-endian).
   uint8_t tail[128] = {};
-  std::memcpy(tail, p, left);
-  tail[left] = 0x80;
-  const size_t blocks = left + 9 > 64 ? 2 : 1;
-  const uint64_t bits = uint64_t(size) * 8;
+  std::memcpy(tail, block_, buffered_);
+  tail[buffered_] = 0x80;
+  const size_t blocks = buffered_ + 9 > 64 ? 2 : 1;
+  const uint64_t bits = total_ * 8;
   for (int i = 0; i < 8; ++i) tail[blocks * 64 - 1 - i] = uint8_t(bits >> (8 * i));
-  for (size_t b = 0; b < blocks; ++b) compress(state, tail + 64 * b);
+  for (size_t b = 0; b < blocks; ++b) compress(state_, tail + 64 * b);
+  buffered_ = 0;
   static const char hex[] = "0123456789abcdef";
   std::string out;
-  for (uint32_t word : state)
+  for (uint32_t word : state_)
     for (int shift = 28; shift >= 0; shift -= 4) out += hex[(word >> shift) & 15];
   return out;
 }
 
-Status verify_code_digest(const std::string& key, const void* code, size_t size) {
+std::string sha256_hex(const void* data, size_t size) {
+  Sha256 h;
+  h.update(data, size);
+  return h.hex();
+}
+
+Status verify_code_digest(const std::string& key, const void* code, size_t size, const std::vector<uint8_t>& interface) {
   static const std::string prefix = "offgraph_kv_";
   constexpr size_t kDigits = 32;
   if (key.size() < prefix.size() + kDigits || key.compare(0, prefix.size(), prefix) != 0)
     return Status(Error::InvalidProgram, "compiled_code_key does not carry the code's digest ('" + prefix +
                                              "<32 hex digits>_so' expected)");
   const std::string want = key.substr(prefix.size(), kDigits);
-  const std::string got = sha256_hex(code, size).substr(0, kDigits);
+  Sha256 h;
+  h.update(code, size);
+  h.update(interface.data(), interface.size());
+  const std::string got = h.hex().substr(0, kDigits);
+  // Short: ExecuTorch's log line cuts long messages, and "corrupt" must show.
   if (want != got)
-    return Status(Error::InvalidProgram, "compiled code under '" + key + "' (" + std::to_string(size) +
-                                             " bytes) has SHA-256 " + got + "..., its key says " + want +
-                                             "...: the program is corrupt");
+    return Status(Error::InvalidProgram, "the program is corrupt: code under '" + key + "' (" + std::to_string(size) +
+                                             " + " + std::to_string(interface.size()) + " bytes) hashes to " + got);
   return Status::ok_status();
 }
 

@@ -117,11 +117,14 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
   if (!code.ok())
     return fail(Status(code.error(), "compiled code '" + m.compiled_code_key + "' is not in the program's named data"),
                 "init");
-  if (!(s = verify_code_digest(m.compiled_code_key, code->data(), code->size())).ok()) return fail(s, "init");
+  if (!(s = verify_code_digest(m.compiled_code_key, code->data(), code->size(), m.code_interface_bytes)).ok()) return fail(s, "init");
   // AOTI checks each run's inputs (dtype, sizes, strides) against what it was
-  // compiled for only when this is set; the manifest that sized the arenas is
-  // read from the file, so the compiled code must not trust it either.
-  setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", 1);
+  // compiled for only when this is set: a second line behind the load-time
+  // check of the manifest against the code. The compiled code reads it once per
+  // process, so opting out (OFFGRAPH_KV_AOTI_INPUT_CHECKS=0, for measuring
+  // their cost) is per process, not per load.
+  const char* opt_out = std::getenv("OFFGRAPH_KV_AOTI_INPUT_CHECKS");
+  setenv("AOTI_RUNTIME_CHECK_INPUTS", opt_out != nullptr && std::strcmp(opt_out, "0") == 0 ? "0" : "1", 1);
   std::unique_ptr<CompiledProgram> program = CompiledProgram::load(
       code->data(), code->size(), m.compiled_code_key, m.device == DeviceKind::CUDA ? "cuda" : "cpu", &s);
   code->Free();

@@ -137,7 +137,14 @@ Status read_manifest(const void* data, size_t size, ManifestInfo* out) {
       return invalid(where + ": a ring layer needs the length input, which the manifest lacks");
     out->tensors.push_back(t);
   }
-  return read_weight_specs(m, &out->weights);
+  Status s = read_weight_specs(m, &out->weights);
+  if (!s.ok()) return s;
+  const auto* interface = m->compiled_interface();
+  out->code_interface_bytes.clear();
+  if (interface != nullptr) out->code_interface_bytes.assign(interface->data(), interface->data() + interface->size());
+  s = read_compiled_interface(out->code_interface_bytes.data(), out->code_interface_bytes.size(), &out->code);
+  if (!s.ok()) return s;
+  return check_manifest_against_code(*out);
 }
 
 Status check_target(const std::string& target, DeviceKind device) {

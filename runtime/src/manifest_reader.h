@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "code_interface.h"
 #include "input_spec.h"
 #include "growth_policy.h"
 #include "tensor_spec.h"
@@ -14,8 +15,8 @@
 
 namespace offgraph_kv {
 
-constexpr uint32_t kManifestVersion = 3;  // 3: weights outside the compiled code
-constexpr uint32_t kOldestManifestVersion = 2;  // 2: weights inside the code, still loadable
+constexpr uint32_t kManifestVersion = 4;        // 4: the compiled interface, checked at load
+constexpr uint32_t kOldestManifestVersion = 4;  // earlier ones lack it: re-export
 
 enum class DeviceKind : int8_t { CPU = 0, CUDA = 1 };
 
@@ -35,15 +36,19 @@ struct ManifestInfo {
   uint32_t length_input = 0;
   std::vector<InputSpec> inputs;  // the delegate inputs, in the order of execute's args
   uint32_t width_bound = 0;       // export bound of the step width (>= max_write)
-  std::vector<WeightSpec> weights;  // version 3: bound at init (weights.h); version 2: inside the code
+  std::vector<WeightSpec> weights;  // bound at init (weights.h), unless the code packages its constants
+  CompiledInterfaceInfo code;       // what the compiled code takes (code_interface.h)
+  std::vector<uint8_t> code_interface_bytes;  // covered by the code's digest with the code
 
-  bool weights_outside_code() const { return version >= 3; }
+  bool weights_outside_code() const { return !code.weights_in_code; }
 
   size_t num_compiled_inputs() const { return num_user_inputs + tensors.size() + (has_length_input ? 1 : 0); }
 };
 
-// Verifies the buffer, checks the version and every field; the message names
-// the first problem found.
+// Verifies the buffer, checks the version and every field, and checks the
+// manifest against the compiled interface it carries; the message names the
+// first problem found. (The interface itself is trusted once the code's digest,
+// which covers it, is verified at load.)
 Status read_manifest(const void* data, size_t size, ManifestInfo* out);
 
 // Whether code compiled for `target` ("cpu:<isa>" or "cuda:sm_<NN>", matching
