@@ -150,6 +150,18 @@ def validate_manifest(manifest: Manifest, compiled: ExportedProgram) -> None:
     expected = manifest.num_user_inputs + len(manifest.tensors) + (manifest.length_input is not None)
     if len(user) != expected:
         raise LoweringError(f"manifest describes {expected} compiled inputs, the compiled program takes {len(user)}")
+    # The runtime refuses a manifest that disagrees with the compiled interface
+    # (runtime/src/code_interface.cpp); say so here, at export, instead.
+    interface = manifest.interface()
+    for i, (u, (_, sizes)) in enumerate(zip(manifest.inputs, interface.inputs)):
+        for d, (dim, compiled) in enumerate(zip(u.dims, sizes)):
+            ok = {"static": compiled == dim.extent, "width": compiled in (-1, manifest.max_write),
+                  "dynamic": compiled == -1}[dim.kind]
+            if not ok:
+                raise LoweringError(
+                    f"delegate input {i} dim {d} is {dim.kind} in the exported program, but the compiled program "
+                    f"takes {list(sizes)} (-1: dynamic): export it with a static extent, or keep it dynamic"
+                )
     for t in manifest.tensors:
         val = user[t.compiled_input].meta["val"]
         if val.dtype != t.storage_dtype or val.dim() != 4 or tuple(val.shape[2:]) != (t.num_heads, t.head_dim):

@@ -144,7 +144,7 @@ def test_load_and_drop_cycles_leak_neither_memory_nor_mapped_code(src):
         for _ in range(5):
             cycle()
         base, base_maps = rss_kib(), mapped_code()
-        for _ in range(40):
+        for _ in range(200):
             cycle()
         print(rss_kib() - base, base_maps, mapped_code(), os.path.getsize(sys.argv[1]))
     """, str(src))
@@ -152,8 +152,8 @@ def test_load_and_drop_cycles_leak_neither_memory_nor_mapped_code(src):
     grown_kib, first_maps, maps, size = map(int, child.stdout.split())
     # The code is mapped once per process and reused by every later load (the old
     # leak mapped a new copy per load, about the code's size each).
-    assert 0 < first_maps == maps, f"code mappings went from {first_maps} to {maps} over 40 load/drop cycles"
-    assert grown_kib * 1024 < 4 * size, f"RSS grew {grown_kib} KiB over 40 load/drop cycles of a {size}-byte program"
+    assert 0 < first_maps == maps, f"code mappings went from {first_maps} to {maps} over 200 load/drop cycles"
+    assert grown_kib / 200 < 100, f"RSS grew {grown_kib} KiB over 200 load/step/drop cycles of a {size}-byte program"
 
 
 def test_two_hundred_fuzzed_programs_never_crash_hang_or_run_with_other_logits(pte_factory, tmp_path):
