@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_run.sh profile   # kernels and GPU-busy time per decode step (4 layers)
 #   bash benchmarks/h200_run.sh bench     # python -m benchmarks.cuda, 32 layers, to 32K tokens
 #   bash benchmarks/h200_run.sh static    # python -m benchmarks.cuda_static: baseline 2 beside offgraph-kv (~7 min)
+#   bash benchmarks/h200_run.sh long      # 100K-token generation (16 layers) + what the checks cost per step (~8 min)
 # (carry .whl: the executorch 1.5.1 cp312 wheel and friends, see h200_setup.sh)
 set +e
 OUT=${OUT:-/tmp/out}
@@ -52,6 +53,17 @@ case "${1:-tests}" in
     timeout $((580 - SECONDS)) python3 -m benchmarks.cuda_static --workdir /tmp/cuda_static --out "$OUT/cuda_static_h200.json" \
       ${2:+--layers $2} > "$OUT/static.txt" 2>&1
     grep -E "PASS|FAIL|n/a|Error|baseline 2:|offgraph-kv" "$OUT/static.txt" | cut -c1-400
+    ;;
+  long)
+    export AOTI_RUNTIME_CHECK_INPUTS=1
+    timeout $((540 - SECONDS)) python3 -m benchmarks.long_run --workdir /tmp/long --out "$OUT/long_run_h200.json" \
+      ${2:+--tokens $2} > "$OUT/long.txt" 2>&1
+    grep -vE "Warning|warn|generate:" "$OUT/long.txt" | tail -16
+    left=$((580 - SECONDS))
+    [ $left -gt 60 ] || { echo "no time left for the checks benchmark"; exit 0; }
+    timeout $left python3 -m benchmarks.checks --device cuda --pte /tmp/long/long_run.pte --rounds 3 --steps 300 \
+      --out "$OUT/checks_h200.json" > "$OUT/checks.txt" 2>&1
+    grep -E "SHA|decode step|Error" "$OUT/checks.txt"
     ;;
   growth)
     python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1
