@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from offgraph_kv.backend.attention import attend_flat, attend_masked
 from offgraph_kv.backend.cache_ops import CacheOpSite, find_sites, is_cache_op
+from offgraph_kv.schemas.manifest import ring_slots
 
 _BOUND = threading.local()
 
@@ -139,12 +140,6 @@ def bind_private_tensors(program: fx.GraphModule) -> List[CacheOpSite]:
             node.target = _lowered_update_and_attend
     program.recompile()
     return sites
-
-
-def ring_slots(window: int, max_write: int, rewind_budget: int = 0) -> int:
-    """Slots a ring needs so a step of max_write tokens never evicts needed
-    context, plus the rewind budget's (the runtime's rows_of says the same)."""
-    return window + max_write - 1 + rewind_budget
 
 
 def private_tensor_examples(

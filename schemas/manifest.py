@@ -68,6 +68,13 @@ def _invert(mapping: dict) -> dict:
     return {v: k for k, v in mapping.items()}
 
 
+def ring_slots(window: int, max_write: int, rewind_budget: int = 0) -> int:
+    """Slots a ring layer keeps: a step of ``max_write`` tokens never evicts a
+    position still inside the window, plus the rewind budget's. (The runtime's
+    ``KVStore::rows_of`` is the same rule in C++.)"""
+    return window + max_write - 1 + rewind_budget
+
+
 @dataclass(frozen=True)
 class PrivateTensor:
     """One runtime-bound tensor: a layer's K or V storage."""
@@ -173,7 +180,15 @@ class Manifest:
     compiled_interface: bytes = b""  # CompiledInterface bytes, covered by the code's digest
 
     def kv_bytes_per_token(self) -> int:
-        return sum(t.bytes_per_row() for t in self.tensors)
+        """Bytes one more token of context adds: the flat layers' K and V rows."""
+        return sum(t.bytes_per_row() for t in self.tensors if t.kind == "flat")
+
+    def ring_bytes(self, rewind_budget: "int | None" = None) -> int:
+        """The ring layers' fixed K and V bytes, with the export's rewind budget
+        unless another is given (a load-time option)."""
+        budget = self.rewind_budget if rewind_budget is None else rewind_budget
+        return sum(ring_slots(t.window, self.max_write, budget) * t.bytes_per_row()
+                   for t in self.tensors if t.kind == "ring")
 
     def to_bytes(self) -> bytes:
         m = fb.ManifestT()

@@ -351,8 +351,13 @@ def test_export_writes_a_sidecar_and_no_kv_bytes(toy_pte: Path, capsys: pytest.C
     assert side["file_bytes"] == toy_pte.stat().st_size
     assert side["parameters"] == sum(p.numel() for p in _toy_model().parameters())
     # 2 layers x (K + V) x 2 kv heads x 16 head dim x 4 bytes
-    assert side["kv_bytes_per_token"] == side["pte_scan"]["manifest_kv_bytes_per_token"] == 512
-    assert side["kv_bytes_in_file"] == 0
+    assert side["kv_bytes_per_token"] == 512
+    # Read back from the file: every named-data byte is the code or a weight a manifest lists.
+    scan = side["pte_scan"]
+    # (identical weights, e.g. norms initialised to ones, are stored once)
+    assert scan["code_bytes"] > 0 and 0.9 * side["weight_bytes"] < scan["weight_bytes"] <= side["weight_bytes"]
+    assert scan["named_data_bytes"] == scan["code_bytes"] + scan["weight_bytes"]
+    assert side["kv_bytes_in_file"] == scan["unclaimed_named_data_bytes"] == 0
     export.print_summary(side)
     assert "kv bytes in file: 0" in capsys.readouterr().out
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import sys
 import threading
 import time
@@ -36,7 +35,6 @@ from report import format_bytes  # noqa: E402
 from tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, find_tokenizer_near, load_tokenizer  # noqa: E402
 
 SIDECAR_VERSION = 1
-_STORAGE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def sidecar_path(pte: "str | Path") -> Path:
@@ -150,18 +148,6 @@ class Progress:
         self._bar.close()
 
 
-class _OmissionCapture(logging.Handler):
-    """Catches the backend's storage-omission report (weights compiled in, KV bytes/token)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.reports: List[tuple] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "KV bytes/token" in str(record.msg) and isinstance(record.args, tuple):
-            self.reports.append(record.args)
-
-
 # --------------------------------------------------------------------------- #
 
 
@@ -209,53 +195,48 @@ def tokenizer_info(a: argparse.Namespace, ck: LoadedCheckpoint) -> Dict[str, obj
     return info
 
 
-def _row_bytes(args: ModelArgs, storage_dtype: str) -> int:
-    return 2 * args.n_kv_heads * args.head_dim * _STORAGE_BYTES[storage_dtype]  # K and V
-
-
-def kv_bytes_per_token(args: ModelArgs, storage_dtype: str) -> int:
-    """K and V bytes one more token of context adds, summed over the flat (full-attention) layers."""
-    flat = sum(1 for i in range(args.n_layers) if args.window_of(i) == 0)
-    return flat * _row_bytes(args, storage_dtype)
-
-
-def ring_bytes(args: ModelArgs, storage_dtype: str, max_write: int) -> int:
-    """Fixed K and V bytes of the sliding-window layers: window + max_write - 1 slots each."""
-    return sum((args.window_of(i) + max_write - 1) * _row_bytes(args, storage_dtype)
-               for i in range(args.n_layers) if args.window_of(i) > 0)
-
-
 def scan_pte(data: bytes) -> Dict[str, int]:
-    """Where the bytes of a .pte go: delegate payloads (manifests), named data (code + weights), constants.
+    """Where the bytes of a .pte go, read back from the file: the manifests
+    (delegate payloads: metadata only), the named data each manifest claims
+    (its compiled code, its weights), anything else in the named data, and
+    program constants. KV sizes come from the manifests themselves.
 
-    The offgraph-kv delegate payload must parse as a manifest (metadata only);
-    anything else in the file is code, weights or program structure.
+    Named data that no manifest claims would be bytes the runtime never binds
+    as code or weights; a program whose KV storage is left to the runtime has none.
     """
     from executorch.exir._serialize._program import deserialize_pte_binary
     from offgraph_kv.schemas.manifest import Manifest
 
     pte = deserialize_pte_binary(data)
     program = pte.program
+    manifests = []
     manifest_bytes = 0
-    kv_per_token = 0
     for plan in program.execution_plan:
         for d in plan.delegates:
-            if d.id != "OffGraphKVBackend":
-                continue
-            payload = program.backend_delegate_data[d.processed.index].data
-            kv_per_token += Manifest.from_bytes(bytes(payload)).kv_bytes_per_token()
-            manifest_bytes += len(payload)
-    named = sum(len(b) for b in pte.named_data.buffers) if pte.named_data else 0
-    constants = sum(len(c.storage) for c in program.constant_buffer)
-    return {"manifest_bytes": manifest_bytes, "named_data_bytes": named, "constant_bytes": constants,
-            "manifest_kv_bytes_per_token": kv_per_token}
+            if d.id == "OffGraphKVBackend":
+                payload = bytes(program.backend_delegate_data[d.processed.index].data)
+                manifests.append(Manifest.from_bytes(payload))
+                manifest_bytes += len(payload)
+    named = pte.named_data
+    buffers = list(named.buffers) if named else []
+    index_of = {key: entry.buffer_index for key, entry in (named.pte_data.items() if named else ())}
+    code = {index_of[m.compiled_code_key] for m in manifests if m.compiled_code_key in index_of}
+    weights = {index_of[w.data_key] for m in manifests for w in m.weights if w.data_key in index_of} - code
+    size = lambda indices: sum(len(buffers[i]) for i in indices)  # noqa: E731
+    return {"manifest_bytes": manifest_bytes,
+            "named_data_bytes": size(range(len(buffers))),
+            "code_bytes": size(code),
+            "weight_bytes": size(weights),
+            "unclaimed_named_data_bytes": size(set(range(len(buffers))) - code - weights),
+            "constant_bytes": sum(len(c.storage) for c in program.constant_buffer),
+            "manifest_kv_bytes_per_token": sum(m.kv_bytes_per_token() for m in manifests),
+            "manifest_ring_bytes": sum(m.ring_bytes() for m in manifests)}
 
 
 def export(a: argparse.Namespace) -> Dict[str, object]:
     """Build, export, lower and write; returns the summary (also written in the sidecar)."""
     from executorch.exir import to_edge_transform_and_lower
 
-    import offgraph_kv.backend.backend as backend_module
     from offgraph_kv.partitioner import OffGraphKVPartitioner
 
     progress = Progress(4, enabled=not a.quiet)
@@ -280,19 +261,8 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
     # Only name per-layer policies when a layer is not flat (the partitioner's default).
     if any(w > 0 for w in args.sliding_windows):
         part_kwargs["layers"] = policies
-    capture = _OmissionCapture()
-    backend_module.log.addHandler(capture)
-    # Listen at INFO without printing the record a second time through the root logger.
-    old_level, old_propagate = backend_module.log.level, backend_module.log.propagate
-    backend_module.log.setLevel(logging.INFO)
-    backend_module.log.propagate = False
-    try:
-        with progress.stage("lower (AOTInductor compile)"):
-            prog = to_edge_transform_and_lower(ep, partitioner=[OffGraphKVPartitioner(**part_kwargs)]).to_executorch()
-    finally:
-        backend_module.log.removeHandler(capture)
-        backend_module.log.setLevel(old_level)
-        backend_module.log.propagate = old_propagate
+    with progress.stage("lower (AOTInductor compile)"):
+        prog = to_edge_transform_and_lower(ep, partitioner=[OffGraphKVPartitioner(**part_kwargs)]).to_executorch()
 
     out = Path(a.out)
     with progress.stage("serialize"):
@@ -305,20 +275,17 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
     n_params = sum(p.numel() for p in params.values())
     weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
     scan = scan_pte(data)
-    compiled_weights = sum(r[0] for r in capture.reports) if capture.reports else None
-    # The backend refuses to lower if the compiled constants exceed the model's
-    # weights, and the delegate payload is a manifest: no KV row is in the file.
-    kv_in_file = 0
     summary: Dict[str, object] = {
         "version": SIDECAR_VERSION,
         "pte": out.name,
         "file_bytes": len(data),
         "parameters": n_params,
         "weight_bytes": weight_bytes,
-        "compiled_weight_bytes": compiled_weights,
-        "kv_bytes_per_token": kv_bytes_per_token(args, a.storage_dtype),
-        "kv_ring_bytes": ring_bytes(args, a.storage_dtype, a.max_write),
-        "kv_bytes_in_file": kv_in_file,
+        # Read back from the .pte: the backend proved at export that the compiled
+        # code's constants are the model's weights, and nothing else sits in the file.
+        "kv_bytes_per_token": scan["manifest_kv_bytes_per_token"],
+        "kv_ring_bytes": scan["manifest_ring_bytes"],
+        "kv_bytes_in_file": scan["unclaimed_named_data_bytes"],
         "pte_scan": scan,
         "model_args": args.to_dict(),
         "weights_dtype": dtype_name(ck.dtype),
@@ -348,11 +315,10 @@ def print_summary(s: Dict[str, object]) -> None:
           f"({s['storage_dtype']} storage, allocated at run time)")
     print(f"  max write / step  {s['max_write']} tokens; initial capacity {s['initial_capacity']} rows, "
           f"max {s['max_capacity'] or 'compiled bound'}")
-    print(f"  file breakdown    compiled code + weights {format_bytes(scan['named_data_bytes'])}, "
-          f"manifest {scan['manifest_bytes']} B, program constants {scan['constant_bytes']} B")
-    if s.get("compiled_weight_bytes") is not None:
-        print(f"  compiled consts   {format_bytes(s['compiled_weight_bytes'])} (weights + rope table; the backend checked: nothing else)")
-    print(f"  kv bytes in file: {s['kv_bytes_in_file']}")
+    print(f"  file breakdown    compiled code {format_bytes(scan['code_bytes'])}, weights "
+          f"{format_bytes(scan['weight_bytes'])}, manifest {scan['manifest_bytes']} B, program constants "
+          f"{scan['constant_bytes']} B")
+    print(f"  kv bytes in file: {s['kv_bytes_in_file']} (named data that is neither code nor a weight)")
     times = ", ".join(f"{k} {v:.1f}s" for k, v in s["timings_s"].items())
     print(f"  time              {sum(s['timings_s'].values()):.1f}s ({times})")
 
