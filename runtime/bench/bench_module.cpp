@@ -45,6 +45,26 @@ PYBIND11_MODULE(_bench, m) {
       "the host clock and, on CUDA, on the stream (events); the bytes it copies; the store's peak and, on CUDA, the "
       "device memory in use right after the growth. touch: also write the new rows inside the timed span.");
   m.def(
+      "reservation_cost",
+      [](const std::string& device, size_t layers, size_t heads, size_t head_dim, const std::string& dtype,
+         size_t initial_rows, size_t max_rows) {
+        const int code = dtype == "fp32" ? 0 : dtype == "fp16" ? 1 : dtype == "bf16" ? 2 : -1;
+        ReservationCost c;
+        Status s = reservation_cost(device, layers, heads, head_dim, code, initial_rows, max_rows, &c);
+        if (!s.ok()) throw std::runtime_error(s.message());
+        py::dict d;
+        d["reserved_bytes"] = c.reserved_bytes;
+        d["allocated_bytes"] = c.allocated_bytes;
+        d["device_used_delta"] = c.device_used_delta;
+        d["growth"] = c.growth;
+        d["note"] = c.note;
+        return d;
+      },
+      py::arg("device"), py::arg("layers"), py::arg("heads"), py::arg("head_dim"), py::arg("dtype"),
+      py::arg("initial_rows"), py::arg("max_rows"),
+      "Benchmark hook: a map-growth store for max_rows rows: address space reserved, bytes backed, and (CUDA) the "
+      "device memory its creation took (cudaMemGetInfo after less before).");
+  m.def(
       "set_copy_kernel_grid",
       [](int blocks_per_sm) {
         const auto [in_effect, resident] = set_copy_kernel_grid(blocks_per_sm);

@@ -181,6 +181,43 @@ Status time_growth(const std::string& device, size_t layers, size_t heads, size_
   return Status::ok_status();
 }
 
+Status reservation_cost(const std::string& device, size_t layers, size_t heads, size_t head_dim, int dtype,
+                        size_t initial_rows, size_t max_rows, ReservationCost* out) {
+  if (!is_supported(dtype)) return Status(Error::InvalidArgument, "unsupported dtype " + std::to_string(dtype));
+  if (initial_rows == 0 || initial_rows > max_rows)
+    return Status(Error::InvalidArgument, "need 0 < initial_rows <= max_rows");
+  Status s;
+  std::unique_ptr<StepIO> io = device == "cuda" ? cuda_step_io(&s) : host_step_io();
+  if (!io) return s;
+  auto used = [&]() -> long long {
+#ifdef OFFGRAPH_KV_WITH_CUDA
+    if (device == "cuda") {
+      size_t free_bytes = 0, total_bytes = 0;
+      cudaDeviceSynchronize();
+      cudaMemGetInfo(&free_bytes, &total_bytes);
+      return (long long)(total_bytes - free_bytes);
+    }
+#endif
+    return 0;
+  };
+  GrowthPolicy policy;
+  policy.initial_capacity = initial_rows;
+  policy.max_capacity = max_rows;
+  policy.growth = GrowthMode::Map;
+  const long long before = used();
+  std::unique_ptr<KVStore> store = KVStore::create(
+      flat_layer_specs(layers, uint32_t(heads), uint32_t(head_dim), static_cast<StorageDType>(dtype), 0), policy, 1,
+      io->memory(), &s);
+  if (!store) return s;
+  out->device_used_delta = used() - before;
+  const StoreMetrics m = store->metrics();
+  out->reserved_bytes = m.reserved_bytes;
+  out->allocated_bytes = m.allocated_bytes;
+  out->growth = growth_mode_name(m.growth);
+  out->note = m.growth_note;
+  return Status::ok_status();
+}
+
 std::pair<int, int> set_copy_kernel_grid(int blocks_per_sm) {
 #ifdef OFFGRAPH_KV_WITH_CUDA
   if (!segment_copy_available()) return {0, 0};

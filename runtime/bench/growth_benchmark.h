@@ -37,6 +37,19 @@ Status time_growth(const std::string& device, size_t layers, size_t heads, size_
                    size_t rows_before, size_t rows_after, int repeats, const std::string& copy_mode,
                    bool fresh_memory, const std::string& growth, bool touch, GrowthTiming* out);
 
+struct ReservationCost {
+  size_t reserved_bytes = 0;   // address space the store reserved
+  size_t allocated_bytes = 0;  // what it backed (the initial rows, in whole chunks)
+  long long device_used_delta = 0;  // device memory in use after the store's creation, less before (CUDA)
+  std::string growth;               // in effect
+  std::string note;                 // why not map, when not
+};
+
+// Creates a map-growth store of `layers` flat K/V pairs for `max_rows` rows
+// (`initial_rows` backed) on `device` and reports what that cost.
+Status reservation_cost(const std::string& device, size_t layers, size_t heads, size_t head_dim, int dtype,
+                        size_t initial_rows, size_t max_rows, ReservationCost* out);
+
 // Benchmark hook: blocks per multiprocessor of the growth copy kernel (0: the
 // default), process-wide. Returns {the value in effect, how many blocks of the
 // kernel fit on one multiprocessor}; {0, 0} when this build has no kernel.

@@ -102,6 +102,15 @@ PYBIND11_MODULE(_runtime, m) {
             if (!st.ok()) throw std::invalid_argument(st.message());
           },
           py::arg("length"), "Keep the first `length` committed positions.")
+      .def(
+          "addresses",
+          [](const KVStore& s) {
+            std::vector<uintptr_t> out;
+            for (size_t i = 0; i < s.tensors().size(); ++i) out.push_back(reinterpret_cast<uintptr_t>(s.binding(i).data));
+            return out;
+          },
+          "Where each private tensor's storage starts (device or host addresses, in manifest order): map growth "
+          "keeps them; copy growth moves flat tensors at every growth.")
       .def("can_extend", &KVStore::can_extend, py::arg("n"), "Whether n more tokens fit under max_capacity.")
       .def(
           "save",
