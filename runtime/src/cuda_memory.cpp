@@ -130,6 +130,8 @@ class CudaReservation final : public Reservation {
     }
     int device = 0;
     cudaError_t e = cudaGetDevice(&device);
+    // The driver calls below act on the thread's current context: the runtime's primary one.
+    if (e == cudaSuccess) e = cudaSetDevice(device);
     if (e != cudaSuccess) {
       *status = Status(Error::NotSupported, cuda_error("cudaGetDevice", e));
       return nullptr;
