@@ -20,9 +20,10 @@ and V: 128 KiB per token), growing from n to 2n rows:
   saw: peak RSS over the growth on the host (VmHWM, reset before each case),
   device memory in use right after the growth on CUDA (cudaMemGetInfo);
 - with ``--steps`` (CPU): step times of a real decode (the benchmark model,
-  lowered once) through growths under each policy (per step, the smaller of
-  two timed passes after a warm-up pass), and the time the growth steps take
-  beyond their neighbours (``step_times.growth_share``).
+  lowered once) through growths under each policy, passes alternating
+  between the policies (per step, the smallest of three timed passes after a
+  warm-up round), the time the growth steps take beyond their neighbours
+  (``step_times.growth_share``), and the peak RSS over a decode from a reset.
 """
 
 from __future__ import annotations
@@ -130,18 +131,24 @@ def step_rows(decode_to: int, initial: int, workdir: Path) -> Dict[str, object]:
     ids = torch.randint(0, model_args().vocab_size, (decode_to,), generator=torch.Generator().manual_seed(1))
     runs: Dict[str, Dict[str, object]] = {}
     final: Dict[str, torch.Tensor] = {}
+    loaded = {}
     for growth in GROWTHS:
         ogr.configure(growth=growth, initial_capacity=initial)
         try:
-            rss0 = _status_kib("VmRSS")
-            _reset_peak_rss()
             method = Runtime.get().load_program(str(pte)).load_method("forward")
-            store = ogr.stores()[-1]
+            loaded[growth] = (method, ogr.stores()[-1])
         finally:
             ogr.configure()
-        passes = []
-        for p in range(3):  # the first pass warms up (code pages, allocator); the others are timed
+    passes: Dict[str, List[tuple]] = {g: [] for g in GROWTHS}
+    peak_rss: Dict[str, int] = {}
+    # Passes alternate between the policies (copy, map, copy, map, ...): load on a
+    # shared machine comes and goes, and alternating spreads it over both alike.
+    for p in range(4):  # the first round warms up (code pages, allocator); the others are timed
+        for growth in GROWTHS:
+            method, store = loaded[growth]
             store.reset(release_memory=True)
+            rss0 = _status_kib("VmRSS")
+            _reset_peak_rss()
             times, grew, cap = [], [], store.capacity
             for i in range(decode_to):
                 t = time.perf_counter()
@@ -149,26 +156,31 @@ def step_rows(decode_to: int, initial: int, workdir: Path) -> Dict[str, object]:
                 times.append(time.perf_counter() - t)
                 grew.append(store.capacity != cap)
                 cap = store.capacity
-            passes.append((times, grew))
-        final[growth] = out.clone()
-        # Per step the smaller of the timed passes: noise on a shared machine only ever adds time.
-        times = [min(a, b) for a, b in zip(passes[1][0], passes[2][0])]
-        grew = passes[-1][1]
+            peak_rss[growth] = max(peak_rss.get(growth, 0), (_status_kib("VmHWM") - rss0) * 1024)
+            if p:
+                passes[growth].append((times, grew))
+            final[growth] = out.clone()
+    for growth in GROWTHS:
+        method, store = loaded[growth]
+        # Per step the smallest of the timed passes: noise on a shared machine only ever adds time.
+        times = [min(ts) for ts in zip(*(t for t, _ in passes[growth]))]
+        grew = passes[growth][-1][1]
         m = store.metrics()
         share = growth_share(times, grew)
         runs[growth] = {
             "growth_in_effect": m["growth"], "growths": m["growths"], "capacity": m["capacity"],
             "median_step_ms": statistics.median(times) * 1e3,
+            "median_step_ms_per_pass": [statistics.median(t) * 1e3 for t, _ in passes[growth]],
             "growth_steps": share["growth_steps"], "growth_extra_ms": share["growth_extra_ms"],
             "growth_time_share": share["growth_time_share"], "decode_total_ms": share["decode_total_ms"],
             "store_peak_bytes": m["peak_bytes"], "store_allocated_bytes": m["allocated_bytes"],
-            "reserved_bytes": m["reserved_bytes"], "peak_rss_bytes_over_load_and_decode": (_status_kib("VmHWM") - rss0) * 1024,
+            "reserved_bytes": m["reserved_bytes"], "peak_rss_bytes_over_a_decode_from_reset": peak_rss[growth],
         }
         print(f" cpu steps {growth:>4}: {m['growths']} growths to {m['capacity']} rows, median step "
-              f"{runs[growth]['median_step_ms']:.3f} ms, growth steps' extra {share['growth_extra_ms']:.2f} ms "
-              f"({100 * (share['growth_time_share'] or 0):.2f} % of decode), per growth step "
-              f"{[round(g['extra_ms'], 2) for g in share['growth_steps']]} ms", flush=True)
-        del method
+              f"{runs[growth]['median_step_ms']:.3f} ms (per pass {[round(x, 3) for x in runs[growth]['median_step_ms_per_pass']]}), "
+              f"growth steps' extra {share['growth_extra_ms']:.2f} ms ({100 * (share['growth_time_share'] or 0):.2f} % of "
+              f"decode), per growth step {[round(g['extra_ms'], 2) for g in share['growth_steps']]} ms, peak RSS over a "
+              f"decode {peak_rss[growth] / 2**20:.1f} MiB", flush=True)
     same = bool(torch.equal(final["map"], final["copy"]))
     print(f" cpu steps: last logits of map and copy identical: {same}")
     return {"model": MODEL_SHAPE, "storage_dtype": "fp32", "initial_capacity": initial, "decode_to": decode_to,

@@ -114,7 +114,10 @@ void* KVStore::data_of(size_t i) const {
 
 void KVStore::choose_growth() {
   growth_ = GrowthMode::Copy;
-  if (!has_flat_) return;
+  if (!has_flat_) {
+    growth_note_ = "no flat layers: nothing grows";
+    return;
+  }
   if (policy_.growth == GrowthMode::Copy) return;
   if (policy_.growth == GrowthMode::Auto && !memory_->maps_by_default()) {
     growth_note_ = std::string("growth=auto grows by copy on ") + memory_->name() + " memory";
