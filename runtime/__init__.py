@@ -30,11 +30,17 @@ def configure(
     growth_factor: Optional[float] = None,
     rewind_budget: Optional[int] = None,
     num_threads: Optional[int] = None,
+    growth: Optional[str] = None,
 ) -> None:
     """Override the export-time growth policy (and the rings' rewind budget:
     extra slots that let a ring layer be rewound further) for methods loaded
     from now on. ``num_threads``: threads per step of the compiled code (default:
     one for decode steps, the process's OpenMP setting for wider ones).
+    ``growth``: ``"map"`` reserves address space for ``max_capacity`` rows at
+    load and backs it as the store grows (nothing copied, addresses fixed),
+    falling back to copying where the device cannot (the store's metrics say
+    which is in effect and why); ``"copy"`` grows into a new arena and copies;
+    ``"auto"`` (the default) picks what measured better on the device.
 
     Goes through ExecuTorch's backend-options mechanism (``set_option``), so a
     C++ host does the same with ``executorch::runtime::set_option``. ``None``
@@ -50,12 +56,15 @@ def configure(
         raise ValueError(f"rewind_budget must be in [0, 2**24), got {rewind_budget}")
     if num_threads is not None and not 1 <= int(num_threads) <= 1024:
         raise ValueError(f"num_threads must be in [1, 1024], got {num_threads}")
+    if growth is not None and growth not in ("map", "copy", "auto"):
+        raise ValueError(f"growth must be 'map', 'copy' or 'auto', got {growth!r}")
     set_options(
         int(initial_capacity or 0),
         int(max_capacity or 0),
         "" if growth_factor is None else repr(float(growth_factor)),
         -1 if rewind_budget is None else int(rewind_budget),
         int(num_threads or 0),
+        growth or "",
     )
 
 

@@ -116,3 +116,78 @@ def test_cuda_rewind_and_saved_context_continue_like_the_oracle(pte_factory, mod
         torch.testing.assert_close(session.step(nxt), want, atol=1e-3, rtol=1e-3)
         torch.testing.assert_close(resumed.step(nxt), want, atol=1e-3, rtol=1e-3)
         nxt = greedy(want)
+
+
+def _generate(session: Session, oracle: Oracle) -> "tuple[list, list]":
+    """Prefill in chunks, then 60 greedy decode steps (8 -> 128 rows), each checked against the oracle."""
+    outs, addresses = [], [session.store.addresses()]
+    tokens = prompt(11)
+    for chunk in (tokens[:, :5], tokens[:, 5:11]):
+        got, want = session.step(chunk), oracle.step(chunk)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+        outs.append(got)
+    nxt = greedy(got)
+    for _ in range(60):
+        got, want = session.step(nxt), oracle.step(nxt)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+        outs.append(got)
+        addresses.append(session.store.addresses())
+        nxt = greedy(got)
+    return outs, addresses
+
+
+def test_cuda_map_growth_matches_oracle_and_copy_growth_at_fixed_addresses(pte_factory, model):
+    path = pte_factory(device="cuda", storage_dtype=torch.float32, initial_capacity=8)
+    mapped = load_configured(path, growth="map")
+    copied = load_configured(path, growth="copy")
+    m = mapped.store.metrics()
+    assert m["growth"] == "map", m["growth_note"]
+    assert copied.store.metrics()["growth"] == "copy"
+    got_map, addr_map = _generate(mapped, Oracle(model, torch.float32))
+    got_copy, addr_copy = _generate(copied, Oracle(model, torch.float32))
+    for a, b in zip(got_map, got_copy):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    m, c = mapped.store.metrics(), copied.store.metrics()
+    assert (m["length"], m["capacity"], m["growths"]) == (c["length"], c["capacity"], c["growths"]) == (71, 128, 4)
+    assert all(a == addr_map[0] for a in addr_map), "map growth moved a tensor"
+    assert any(a != addr_copy[0] for a in addr_copy)
+    assert m["peak_bytes"] == m["allocated_bytes"] and c["peak_bytes"] > c["allocated_bytes"]
+
+
+def test_cuda_map_growth_backs_chunks_as_it_grows_and_reset_releases_them(pte_factory):
+    path = pte_factory(device="cuda", storage_dtype=torch.float32, initial_capacity=8)
+    session = load_configured(path, growth="map", max_capacity=1 << 16)
+    store = session.store
+    at_load, initial = store.addresses(), store.metrics()["allocated_bytes"]
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    # fp32 rows of 2 x 16: 128 B, so 40000 rows need 3 chunks of 2 MiB per tensor.
+    for _ in range(40000 // 32):
+        session.step(prompt(32))
+    m = store.metrics()
+    assert m["capacity"] == 65536 and store.addresses() == at_load
+    grown = m["allocated_bytes"]
+    assert grown > initial and m["peak_bytes"] == grown
+    torch.cuda.synchronize()
+    free1 = torch.cuda.mem_get_info()[0]
+    store.reset(release_memory=True)
+    session.length = 0
+    torch.cuda.synchronize()
+    free2 = torch.cuda.mem_get_info()[0]
+    m = store.metrics()
+    assert (m["capacity"], m["allocated_bytes"]) == (8, initial) and store.addresses() == at_load
+    # The device got the chunks back (torch's allocator may hold a little of what the steps used in between).
+    assert free2 - free1 >= grown - initial - (2 << 20), (free0, free1, free2, grown, initial)
+    session.step(prompt(5))  # grows again from the initial chunk, at the same addresses
+    assert store.addresses() == at_load
+
+
+def test_cuda_million_row_reservation_for_an_8b_shaped_store_costs_no_device_memory():
+    bench = pytest.importorskip("offgraph_kv.runtime._bench", reason="built without -DOFFGRAPH_KV_BENCHMARKS=ON")
+    # 32 layers, 8 KV heads x 128, bf16, K and V: 128 GiB for 1M rows.
+    c = bench.reservation_cost("cuda", 32, 8, 128, "bf16", 256, 1 << 20)
+    assert c["growth"] == "map", c["note"]
+    assert c["reserved_bytes"] >= 32 * 2 * (1 << 20) * 8 * 128 * 2
+    # Only the initial rows are backed (one chunk per tensor); the reservation itself takes nothing.
+    assert c["allocated_bytes"] <= 64 * (2 << 20)
+    assert c["device_used_delta"] <= c["allocated_bytes"], c

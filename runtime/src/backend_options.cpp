@@ -16,6 +16,7 @@ struct Overrides {
   double growth_factor = 0;
   long rewind_budget = -1;  // -1: the export default (0 is a budget)
   size_t num_threads = 0;
+  int growth = -1;  // -1: the default (auto); else a GrowthMode
 };
 
 std::mutex& overrides_mutex() {
@@ -58,6 +59,17 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
     o->rewind_budget = *v;
     return true;
   }
+  if (key == "growth") {
+    const auto* s = std::get_if<std::array<char, executorch::runtime::kMaxOptionValueLength>>(&opt.value);
+    GrowthMode mode = GrowthMode::Auto;
+    if (s == nullptr || !parse_growth_mode(s->data(), &mode)) {
+      *why = std::string("backend option growth must be the string \"map\", \"copy\" or \"auto\"") +
+             (s == nullptr ? "" : std::string(", got '") + s->data() + "'");
+      return false;
+    }
+    o->growth = s->data()[0] == '\0' ? -1 : int(mode);
+    return true;
+  }
   if (key == "growth_factor") {
     const auto* s = std::get_if<std::array<char, executorch::runtime::kMaxOptionValueLength>>(&opt.value);
     if (s == nullptr) {
@@ -78,7 +90,7 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
     o->growth_factor = f;
     return true;
   }
-  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor, rewind_budget, num_threads)";
+  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor, rewind_budget, num_threads, growth)";
   return false;
 }
 
@@ -88,6 +100,7 @@ void merge(const Overrides& o, GrowthPolicy* p) {
   if (o.growth_factor > 0) p->growth_factor = o.growth_factor;
   if (o.rewind_budget >= 0) p->rewind_budget = size_t(o.rewind_budget);
   if (o.num_threads) p->num_threads = o.num_threads;
+  if (o.growth >= 0) p->growth = GrowthMode(o.growth);
 }
 
 }  // namespace
@@ -112,7 +125,11 @@ Status read_options(Span<BackendOption> options) {
     else if (key == "max_capacity") opt.value = int(o.max_capacity);
     else if (key == "rewind_budget") opt.value = int(o.rewind_budget);
     else if (key == "num_threads") opt.value = int(o.num_threads);
-    else if (key == "growth_factor") {
+    else if (key == "growth") {
+      std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
+      if (o.growth >= 0) std::snprintf(text.data(), text.size(), "%s", growth_mode_name(GrowthMode(o.growth)));
+      opt.value = text;
+    } else if (key == "growth_factor") {
       std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
       if (o.growth_factor > 0) std::snprintf(text.data(), text.size(), "%g", o.growth_factor);
       opt.value = text;

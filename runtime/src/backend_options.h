@@ -2,8 +2,9 @@
 // defaults of the growth policy for every method loaded afterwards.
 //
 // Keys: "initial_capacity" (int), "max_capacity" (int), "growth_factor"
-// (string, e.g. "1.5"), "rewind_budget" (int), "num_threads" (int). 0 or "" restores the export-time
-// default (-1 for rewind_budget, where 0 is a value).
+// (string, e.g. "1.5"), "rewind_budget" (int), "num_threads" (int), "growth"
+// (string: "map", "copy" or "auto"). 0 or "" restores the export-time default
+// (-1 for rewind_budget, where 0 is a value; "auto" for growth).
 #pragma once
 
 #include <executorch/runtime/backend/options.h>

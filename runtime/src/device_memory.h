@@ -8,12 +8,35 @@
 #include <utility>
 #include <vector>
 
+#include "status.h"
+
 namespace offgraph_kv {
 
 struct CopyOp {
   void* dst;
   const void* src;
   size_t bytes;
+};
+
+// Address space reserved up front for `segments` regions, each for its full
+// size, and backed by memory only as far as commit() asks: a region's base
+// never moves, so growing one copies nothing and rebinds nothing. Backing
+// comes in chunks (chunk_bytes(): the device's mapping granularity); every
+// mapping and the reservation itself are released on destruction.
+class Reservation {
+ public:
+  virtual ~Reservation() = default;
+  virtual void* base(size_t segment) const = 0;
+  virtual size_t segments() const = 0;
+  // Back at least the first bytes[s] bytes of every segment s. All or
+  // nothing: on failure every segment keeps exactly the backing it had.
+  virtual Status commit(const std::vector<size_t>& bytes) = 0;
+  // Give back the backing beyond the first bytes[s] bytes of each segment
+  // (what holds those bytes stays). Waits for queued work that may read it.
+  virtual void release_beyond(const std::vector<size_t>& bytes) = 0;
+  virtual size_t committed_bytes() const = 0;  // backed, all segments
+  virtual size_t reserved_bytes() const = 0;   // address space, all segments
+  virtual size_t chunk_bytes() const = 0;
 };
 
 class DeviceMemory {
@@ -40,6 +63,15 @@ class DeviceMemory {
   // every arena it ever had. Host memory is freed at once: nothing to do.
   virtual void return_unused() {}
   virtual const char* name() const = 0;
+  // Address space for regions of `segment_bytes` each, backed as they grow
+  // (Reservation). nullptr with a message where this memory cannot (no
+  // virtual-memory API, the reservation refused): the store then grows by copy.
+  virtual std::unique_ptr<Reservation> reserve(const std::vector<size_t>& segment_bytes, Status* status) {
+    *status = Status(Error::NotSupported, std::string(name()) + " memory cannot reserve address space");
+    return nullptr;
+  }
+  // Whether growth="auto" maps on this memory (where it measured better than copying).
+  virtual bool maps_by_default() const { return false; }
 };
 
 // 64-byte aligned host memory.

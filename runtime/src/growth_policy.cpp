@@ -5,6 +5,18 @@
 
 namespace offgraph_kv {
 
+const char* growth_mode_name(GrowthMode mode) {
+  return mode == GrowthMode::Map ? "map" : mode == GrowthMode::Copy ? "copy" : "auto";
+}
+
+bool parse_growth_mode(const std::string& name, GrowthMode* mode) {
+  if (name.empty() || name == "auto") *mode = GrowthMode::Auto;
+  else if (name == "map") *mode = GrowthMode::Map;
+  else if (name == "copy") *mode = GrowthMode::Copy;
+  else return false;
+  return true;
+}
+
 std::string GrowthPolicy::validate(size_t capacity_bound) const {
   if (max_capacity == 0) return "max_capacity must be positive";
   if (max_capacity > capacity_bound)

@@ -6,6 +6,16 @@
 
 namespace offgraph_kv {
 
+// How flat storage grows. Map: address space for max_capacity rows is
+// reserved at load and backed as the store grows (nothing is copied, nothing
+// moves); Copy: a new arena per capacity, committed rows copied over. Auto:
+// whichever the device does better (DeviceMemory::maps_by_default); Map falls
+// back to Copy, with a logged reason, where the memory cannot reserve.
+enum class GrowthMode { Auto, Map, Copy };
+const char* growth_mode_name(GrowthMode mode);
+// "auto", "map" or "copy" (and "" for auto); false for anything else.
+bool parse_growth_mode(const std::string& name, GrowthMode* mode);
+
 struct GrowthPolicy {
   size_t initial_capacity = 256;
   size_t max_capacity = 0;  // hard bound on readable rows
@@ -18,6 +28,7 @@ struct GrowthPolicy {
   // steps (bandwidth-bound: more threads do not help, and collapse when another
   // job holds a core), the process's OpenMP setting for wider steps.
   size_t num_threads = 0;
+  GrowthMode growth = GrowthMode::Auto;
 
   // Empty when valid, otherwise a message naming the offending field.
   std::string validate(size_t capacity_bound) const;

@@ -1,5 +1,7 @@
 #include "kv_store.h"
 
+#include <executorch/runtime/platform/log.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -60,6 +62,7 @@ std::unique_ptr<KVStore> KVStore::create(std::vector<TensorSpec> tensors, Growth
     store->memory_->zero(store->rings_[i].data(), bytes);
     store->note_allocated(bytes);
   }
+  store->choose_growth();
   Status s = store->resize_flat(policy.initial_capacity, 0);
   if (!s.ok()) {
     *status = s;
@@ -105,11 +108,63 @@ std::vector<size_t> KVStore::arena_offsets(size_t capacity, size_t* total) const
 
 void* KVStore::data_of(size_t i) const {
   if (tensors_[i].kind == LayerKind::Ring) return rings_[i].data();
+  if (reservation_) return mapped_base_[i];
   return static_cast<char*>(flat_arena_.data()) + flat_offset_[i];
+}
+
+void KVStore::choose_growth() {
+  growth_ = GrowthMode::Copy;
+  if (!has_flat_) {
+    growth_note_ = "no flat layers: nothing grows";
+    return;
+  }
+  if (policy_.growth == GrowthMode::Copy) return;
+  if (policy_.growth == GrowthMode::Auto && !memory_->maps_by_default()) {
+    growth_note_ = std::string("growth=auto grows by copy on ") + memory_->name() + " memory";
+    return;
+  }
+  std::vector<size_t> segment_bytes;
+  segment_of_.assign(tensors_.size(), 0);
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].kind != LayerKind::Flat) continue;
+    segment_of_[i] = segment_bytes.size();
+    // Rows grow in place, so each tensor needs a contiguous range for all the rows it may ever hold.
+    segment_bytes.push_back(policy_.max_capacity * tensors_[i].row_bytes());
+  }
+  Status s;
+  std::unique_ptr<Reservation> r = memory_->reserve(segment_bytes, &s);
+  if (!r) {
+    growth_note_ = "growth=" + std::string(growth_mode_name(policy_.growth)) + " falls back to copy growth: " + s.message();
+    if (policy_.growth == GrowthMode::Map) ET_LOG(Info, "OffGraphKVBackend: %s", growth_note_.c_str());
+    return;
+  }
+  mapped_base_.assign(tensors_.size(), nullptr);
+  for (size_t i = 0; i < tensors_.size(); ++i)
+    if (tensors_[i].kind == LayerKind::Flat) mapped_base_[i] = r->base(segment_of_[i]);
+  reservation_ = std::move(r);
+  growth_ = GrowthMode::Map;
 }
 
 Status KVStore::resize_flat(size_t new_capacity, size_t rows_to_keep) {
   if (!has_flat_) return Status::ok_status();
+  if (reservation_) {
+    // Rows stay where they are: back (or give back) the tail of each tensor's range.
+    std::vector<size_t> bytes(reservation_->segments(), 0);
+    for (size_t i = 0; i < tensors_.size(); ++i)
+      if (tensors_[i].kind == LayerKind::Flat) bytes[segment_of_[i]] = new_capacity * tensors_[i].row_bytes();
+    const size_t before = reservation_->committed_bytes();
+    if (new_capacity >= capacity_) {
+      Status s = reservation_->commit(bytes);
+      if (!s.ok())
+        return Status(s.code(), s.message() + " (growing flat KV storage to " + std::to_string(new_capacity) + " rows)");
+    } else {
+      reservation_->release_beyond(bytes);
+    }
+    allocated_ = allocated_ - before + reservation_->committed_bytes();
+    peak_ = std::max(peak_, allocated_);
+    capacity_ = new_capacity;
+    return Status::ok_status();
+  }
   size_t bytes = 0;
   std::vector<size_t> offsets = arena_offsets(new_capacity, &bytes);
   Buffer fresh = allocate_buffer(memory_, bytes);
@@ -238,6 +293,9 @@ StoreMetrics KVStore::metrics() const {
   m.capacity = capacity_;
   m.allocated_bytes = allocated_;
   m.peak_bytes = peak_;
+  m.reserved_bytes = reservation_ ? reservation_->reserved_bytes() : 0;
+  m.growth = growth_;
+  m.growth_note = growth_note_;
   m.growths = growths_;
   m.steps = steps_;
   m.host_ns = host_ns_;

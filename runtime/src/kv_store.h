@@ -41,8 +41,11 @@ struct LayerMetrics {
 struct StoreMetrics {
   size_t length = 0;
   size_t capacity = 0;
-  size_t allocated_bytes = 0;
+  size_t allocated_bytes = 0;  // backed: rings, and the flat arena or the mapped chunks
   size_t peak_bytes = 0;
+  size_t reserved_bytes = 0;   // address space held for map growth (0 with copy growth)
+  GrowthMode growth = GrowthMode::Copy;  // in effect: Map or Copy
+  std::string growth_note;     // why map growth was not used, when it was not
   size_t growths = 0;
   size_t steps = 0;         // committed steps
   uint64_t host_ns = 0;     // host work of those steps (width, prepare, bind, commit)
@@ -102,10 +105,14 @@ class KVStore {
   size_t rows_of(size_t i, size_t flat_capacity) const;
   size_t bytes_at(size_t flat_capacity) const;
   // All-or-nothing: either every flat tensor moves to `new_capacity` with its
-  // committed rows, or nothing changes. One allocation and one batched copy per
-  // growth, whatever the layer count: per-tensor allocations dominated growth
-  // time on the H200.
+  // committed rows, or nothing changes. Copy growth: one allocation and one
+  // batched copy per growth, whatever the layer count (per-tensor allocations
+  // dominated growth time on the H200). Map growth: more of each tensor's
+  // reserved range is backed (or, shrinking, given back); rows stay in place.
   Status resize_flat(size_t new_capacity, size_t rows_to_keep);
+  // Map growth when the policy asks for it and the memory can reserve
+  // max_capacity rows of every flat tensor; otherwise copy growth, and why.
+  void choose_growth();
   void note_allocated(size_t bytes);
   // Give a released arena's memory back to the system (see DeviceMemory::return_unused).
   void return_released_memory();
@@ -118,6 +125,12 @@ class KVStore {
   std::vector<Buffer> rings_;       // one allocation per ring tensor, made once
   Buffer flat_arena_;               // every flat tensor, in one allocation per capacity
   std::vector<size_t> flat_offset_; // byte offset of flat tensor i in the arena
+  // Map growth: one reserved range per flat tensor (its base never moves).
+  std::unique_ptr<Reservation> reservation_;
+  std::vector<size_t> segment_of_;  // flat tensor i -> its range in reservation_
+  std::vector<void*> mapped_base_;  // flat tensor i -> that range's base
+  GrowthMode growth_ = GrowthMode::Copy;
+  std::string growth_note_;
   GrowthPolicy policy_;
   size_t max_write_;
   bool has_flat_;  // fixed by the manifest: derived once, not per step

@@ -36,6 +36,9 @@ py::dict metrics_dict(const KVStore& store) {
   d["capacity"] = m.capacity;
   d["allocated_bytes"] = m.allocated_bytes;
   d["peak_bytes"] = m.peak_bytes;
+  d["reserved_bytes"] = m.reserved_bytes;
+  d["growth"] = growth_mode_name(m.growth);
+  d["growth_note"] = m.growth_note;
   d["growths"] = m.growths;
   d["steps"] = m.steps;
   d["host_us_per_step"] = m.steps ? double(m.host_ns) / 1000.0 / double(m.steps) : 0.0;
@@ -99,6 +102,15 @@ PYBIND11_MODULE(_runtime, m) {
             if (!st.ok()) throw std::invalid_argument(st.message());
           },
           py::arg("length"), "Keep the first `length` committed positions.")
+      .def(
+          "addresses",
+          [](const KVStore& s) {
+            std::vector<uintptr_t> out;
+            for (size_t i = 0; i < s.tensors().size(); ++i) out.push_back(reinterpret_cast<uintptr_t>(s.binding(i).data));
+            return out;
+          },
+          "Where each private tensor's storage starts (device or host addresses, in manifest order): map growth "
+          "keeps them; copy growth moves flat tensors at every growth.")
       .def("can_extend", &KVStore::can_extend, py::arg("n"), "Whether n more tokens fit under max_capacity.")
       .def(
           "save",
@@ -158,25 +170,27 @@ PYBIND11_MODULE(_runtime, m) {
   m.def(
       "set_options",
       [](int initial_capacity, int max_capacity, const std::string& growth_factor, int rewind_budget,
-         int num_threads) {
+         int num_threads, const std::string& growth) {
         executorch::runtime::BackendOption opts[] = {
             make_int("initial_capacity", initial_capacity),
             make_int("max_capacity", max_capacity),
             make_text("growth_factor", growth_factor),
             make_int("rewind_budget", rewind_budget),
             make_int("num_threads", num_threads),
+            make_text("growth", growth),
         };
-        const auto e = executorch::runtime::set_option(kBackendName, {opts, 5});
+        const auto e = executorch::runtime::set_option(kBackendName, {opts, 6});
         if (e != executorch::runtime::Error::Ok)
           throw std::invalid_argument("OffGraphKVBackend rejected the options (error " + std::to_string(int(e)) +
                                       "; see the log for which)");
       },
-      py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"), py::arg("rewind_budget") = -1, py::arg("num_threads") = 0);
+      py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"), py::arg("rewind_budget") = -1, py::arg("num_threads") = 0,
+      py::arg("growth") = "");
   m.def("get_options", []() {
     executorch::runtime::BackendOption opts[] = {make_int("initial_capacity", 0), make_int("max_capacity", 0),
                                                  make_text("growth_factor", ""), make_int("rewind_budget", -1),
-                                                 make_int("num_threads", 0)};
-    const auto e = executorch::runtime::get_option(kBackendName, {opts, 5});
+                                                 make_int("num_threads", 0), make_text("growth", "")};
+    const auto e = executorch::runtime::get_option(kBackendName, {opts, 6});
     if (e != executorch::runtime::Error::Ok) throw std::runtime_error("get_option failed");
     py::dict d;
     d["initial_capacity"] = std::get<int>(opts[0].value);
@@ -184,6 +198,7 @@ PYBIND11_MODULE(_runtime, m) {
     d["growth_factor"] = std::string(std::get<2>(opts[2].value).data());
     d["rewind_budget"] = std::get<int>(opts[3].value);
     d["num_threads"] = std::get<int>(opts[4].value);
+    d["growth"] = std::string(std::get<2>(opts[5].value).data());
     return d;
   });
 }

@@ -41,13 +41,53 @@ inline std::vector<TensorSpec> flat_layers(size_t layers, StorageDType dtype, ui
   return flat_layer_specs(layers, heads, head_dim, dtype, 2);
 }
 
-inline GrowthPolicy policy(size_t initial, size_t max, double factor = 2.0) {
+inline GrowthPolicy policy(size_t initial, size_t max, double factor = 2.0, GrowthMode growth = GrowthMode::Auto) {
   GrowthPolicy p;
   p.initial_capacity = initial;
   p.max_capacity = max;
   p.growth_factor = factor;
+  p.growth = growth;
   return p;
 }
+
+// Host memory whose reservations refuse commits once `commits_left` reaches 0
+// (the real host reservation underneath, so refused commits are the only
+// difference): the store's map growth must then leave everything as it was.
+class RefusingMapMemory final : public DeviceMemory {
+ public:
+  int commits_left = -1;  // -1: never refuse
+  void* allocate(size_t bytes) override { return host_memory()->allocate(bytes); }
+  void release(void* p) override { host_memory()->release(p); }
+  void copy(void* d, const void* s, size_t n) override { host_memory()->copy(d, s, n); }
+  void zero(void* d, size_t n) override { host_memory()->zero(d, n); }
+  const char* name() const override { return "refusing-map"; }
+  std::unique_ptr<Reservation> reserve(const std::vector<size_t>& segment_bytes, Status* status) override {
+    std::unique_ptr<Reservation> inner = host_memory()->reserve(segment_bytes, status);
+    if (!inner) return nullptr;
+    return std::make_unique<Refusing>(std::move(inner), &commits_left);
+  }
+
+ private:
+  class Refusing final : public Reservation {
+   public:
+    Refusing(std::unique_ptr<Reservation> inner, int* left) : inner_(std::move(inner)), left_(left) {}
+    void* base(size_t s) const override { return inner_->base(s); }
+    size_t segments() const override { return inner_->segments(); }
+    Status commit(const std::vector<size_t>& bytes) override {
+      if (*left_ == 0) return Status(Error::MemoryAllocationFailed, "commit refused (test)");
+      if (*left_ > 0) --*left_;
+      return inner_->commit(bytes);
+    }
+    void release_beyond(const std::vector<size_t>& bytes) override { inner_->release_beyond(bytes); }
+    size_t committed_bytes() const override { return inner_->committed_bytes(); }
+    size_t reserved_bytes() const override { return inner_->reserved_bytes(); }
+    size_t chunk_bytes() const override { return inner_->chunk_bytes(); }
+
+   private:
+    std::unique_ptr<Reservation> inner_;
+    int* left_;
+  };
+};
 
 // Writes `width` rows of the prepared step with a recognisable byte pattern.
 inline void fill_step(KVStore& s, size_t width) {

@@ -24,3 +24,34 @@ TEST(backend_options_override_defaults_all_or_nothing) {
   CHECK(apply_options({opts, 1}).ok());
   CHECK(resolve_policy(defaults, {}).max_capacity == 4096);
 }
+
+TEST(growth_option_takes_map_copy_or_auto_and_names_anything_else) {
+  executorch::runtime::BackendOption opt{};
+  std::strcpy(opt.key, "growth");
+  std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
+  std::strcpy(text.data(), "mmap");
+  opt.value = text;
+  Status bad = apply_options({&opt, 1});
+  CHECK(!bad.ok() && bad.message().find("growth") != std::string::npos && bad.message().find("mmap") != std::string::npos);
+  opt.value = 3;  // not a string
+  CHECK(!apply_options({&opt, 1}).ok());
+  const GrowthPolicy defaults = policy(16, 4096);
+  CHECK(resolve_policy(defaults, {}).growth == GrowthMode::Auto);
+  std::strcpy(text.data(), "copy");
+  opt.value = text;
+  CHECK(apply_options({&opt, 1}).ok());
+  CHECK(resolve_policy(defaults, {}).growth == GrowthMode::Copy);
+  // A per-load spec overrides the process-wide option.
+  executorch::runtime::BackendOption per_load = opt;
+  std::strcpy(text.data(), "map");
+  per_load.value = text;
+  CHECK(resolve_policy(defaults, {&per_load, 1}).growth == GrowthMode::Map);
+  executorch::runtime::BackendOption read{};
+  std::strcpy(read.key, "growth");
+  CHECK(read_options({&read, 1}).ok());
+  CHECK(std::strcmp(std::get<2>(read.value).data(), "copy") == 0);
+  std::strcpy(text.data(), "");
+  opt.value = text;
+  CHECK(apply_options({&opt, 1}).ok());  // "" restores the default
+  CHECK(resolve_policy(defaults, {}).growth == GrowthMode::Auto);
+}

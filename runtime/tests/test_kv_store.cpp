@@ -13,7 +13,7 @@ using namespace offgraph_kv::testing;
 TEST(allocated_bytes_follow_dtype_heads_head_dim_and_capacity) {
   for (StorageDType d : {StorageDType::Float32, StorageDType::Float16, StorageDType::BFloat16}) {
     Status st;
-    auto s = KVStore::create(flat_layers(3, d, 2, 8), policy(16, 1024), 8, host_memory(), &st);
+    auto s = KVStore::create(flat_layers(3, d, 2, 8), policy(16, 1024, 2.0, GrowthMode::Copy), 8, host_memory(), &st);
     CHECK(st.ok());
     CHECK(s->metrics().allocated_bytes == 3 * 2 * 16 * 2 * 8 * element_size(d));
   }
@@ -21,7 +21,8 @@ TEST(allocated_bytes_follow_dtype_heads_head_dim_and_capacity) {
 
 TEST(growth_preserves_committed_rows_and_counts_transient_peak) {
   Status st;
-  auto s = KVStore::create(flat_layers(2, StorageDType::Float32), policy(4, 64), 8, host_memory(), &st);
+  auto s = KVStore::create(flat_layers(2, StorageDType::Float32), policy(4, 64, 2.0, GrowthMode::Copy), 8, host_memory(),
+                           &st);
   const size_t row = 2 * 4 * 4, tensors = 4;
   size_t length = 0;
   for (size_t w : {3, 1, 1, 4, 1, 7, 2}) {
@@ -134,7 +135,8 @@ TEST(old_arena_memory_is_returned_once_the_step_after_a_growth_commits) {
 
 TEST(reset_with_release_returns_to_initial_allocation) {
   Status st;
-  auto s = KVStore::create(flat_layers(2, StorageDType::BFloat16), policy(4, 64), 8, host_memory(), &st);
+  auto s = KVStore::create(flat_layers(2, StorageDType::BFloat16), policy(4, 64, 2.0, GrowthMode::Copy), 8,
+                           host_memory(), &st);
   const size_t initial = s->metrics().allocated_bytes;
   for (int i = 0; i < 20; ++i) {
     CHECK(s->prepare_step(1).ok());

@@ -1,0 +1,93 @@
+"""Map growth on the CPU, end to end: address space reserved for max_capacity rows at load, backed as the
+store grows; nothing copied, no address changes. The same program under copy growth gives the same logits."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import pytest
+import torch
+from conftest import TOY, Oracle, Session, greedy, load_configured, prompt
+
+import offgraph_kv.runtime
+
+INITIAL = 8
+
+
+def _generate(session: Session, oracle: Oracle) -> Tuple[List[torch.Tensor], List[List[int]]]:
+    """Prefill in uneven chunks, then 60 greedy decode steps (8 -> 128 rows); every step checked against the oracle."""
+    outs, addresses = [], [session.store.addresses()]
+    tokens = prompt(11)
+    for chunk in (tokens[:, :5], tokens[:, 5:6], tokens[:, 6:11]):
+        got, want = session.step(chunk), oracle.step(chunk)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        outs.append(got)
+    nxt = greedy(got)
+    for _ in range(60):
+        got, want = session.step(nxt), oracle.step(nxt)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        outs.append(got)
+        addresses.append(session.store.addresses())
+        nxt = greedy(got)
+    return outs, addresses
+
+
+def test_map_growth_generation_equals_the_oracle_and_copy_growth_bit_for_bit(pte_factory, model):
+    path = pte_factory(storage_dtype=torch.float32, initial_capacity=INITIAL)
+    mapped = load_configured(path, growth="map")
+    copied = load_configured(path, growth="copy")
+    assert mapped.store.metrics()["growth"] == "map" and copied.store.metrics()["growth"] == "copy"
+    got_map, addr_map = _generate(mapped, Oracle(model, torch.float32))
+    got_copy, addr_copy = _generate(copied, Oracle(model, torch.float32))
+    for a, b in zip(got_map, got_copy):
+        assert torch.equal(a, b), "map and copy growth must give the same logits"
+    m, c = mapped.store.metrics(), copied.store.metrics()
+    assert (m["length"], m["capacity"], m["growths"]) == (c["length"], c["capacity"], c["growths"]) == (71, 128, 4)
+    # Map growth: no address ever changed. Copy growth moved the flat tensors.
+    assert all(a == addr_map[0] for a in addr_map)
+    assert any(a != addr_copy[0] for a in addr_copy)
+
+
+def test_map_growth_reserves_max_capacity_counts_no_old_new_pair_and_reset_releases(pte_factory):
+    path = pte_factory(storage_dtype=torch.float32, initial_capacity=INITIAL)
+    session = load_configured(path, growth="map", max_capacity=4096)
+    m = session.store.metrics()
+    row = TOY.n_kv_heads * TOY.head_dim * 4
+    tensors = 2 * TOY.n_layers
+    assert m["reserved_bytes"] >= tensors * 4096 * row
+    initial = m["allocated_bytes"]
+    assert m["peak_bytes"] == initial >= tensors * INITIAL * row
+    at_load = session.store.addresses()
+    session.step(prompt(30))
+    for _ in range(600):
+        session.step(prompt(1))
+    m = session.store.metrics()
+    assert (m["length"], m["capacity"], m["growths"]) == (630, 1024, 6)  # 8 -> 32 (the prefill), then doubling
+    # Backed: the capacity's rows in whole pages, and never an old and a new arena at once.
+    assert tensors * 1024 * row <= m["allocated_bytes"] < tensors * (1024 * row + 4096 * 16)
+    assert m["peak_bytes"] == m["allocated_bytes"]
+    session.store.reset(release_memory=True)
+    session.length = 0
+    m = session.store.metrics()
+    assert (m["length"], m["capacity"], m["allocated_bytes"], m["peak_bytes"]) == (0, INITIAL, initial, initial)
+    assert session.store.addresses() == at_load
+
+
+def test_growth_option_rejects_anything_but_map_copy_or_auto() -> None:
+    with pytest.raises(ValueError, match="growth must be 'map', 'copy' or 'auto'"):
+        offgraph_kv.runtime.configure(growth="mmap")
+    with pytest.raises(ValueError):
+        offgraph_kv.runtime._runtime.set_options(0, 0, "", -1, 0, "mmap")
+    assert offgraph_kv.runtime.options()["growth"] == ""
+    offgraph_kv.runtime.configure(growth="copy")
+    try:
+        assert offgraph_kv.runtime.options()["growth"] == "copy"
+    finally:
+        offgraph_kv.runtime.configure()
+    assert offgraph_kv.runtime.options()["growth"] == ""
+
+
+def test_default_growth_on_the_cpu_is_map(pte_factory):
+    session = Session(pte_factory(storage_dtype=torch.float32, initial_capacity=INITIAL))
+    m = session.store.metrics()
+    assert m["growth"] == "map" and m["growth_note"] == ""
