@@ -16,7 +16,7 @@ from offgraph_kv.backend import OffGraphKVBackend
 from offgraph_kv.backend.cache_ops import LoweringError, find_sites, is_cache_op
 from offgraph_kv.backend.compile_specs import BackendSpecs, StepWidth
 from offgraph_kv.backend.step_width import delegate_input_nodes, locate, shape_of
-from offgraph_kv.schemas.manifest import dtype_from_name
+from offgraph_kv.schemas.manifest import check_growth_policy, dtype_from_name
 
 # The compiled code's bound on readable rows. It is fixed rather than taken from
 # max_capacity so that exports differing only in max_capacity compile to the same
@@ -65,21 +65,15 @@ class OffGraphKVPartitioner(Partitioner):
         self.max_capacity = int(max_capacity or self.capacity_bound)
         self.initial_capacity = int(initial_capacity)
         self.growth_factor = float(growth_factor)
-        if not 1 <= self.initial_capacity <= self.max_capacity:
-            raise ValueError(
-                f"initial_capacity {initial_capacity} must be in [1, max_capacity={self.max_capacity}]"
-            )
         if self.max_capacity > self.capacity_bound:
             raise ValueError(f"max_capacity {self.max_capacity} exceeds capacity_bound {self.capacity_bound}")
-        if not self.growth_factor > 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        check_growth_policy(self.initial_capacity, self.max_capacity, self.growth_factor, rewind_budget,
+                            capacity_limit=self.capacity_bound + 1)
         self.step_width = None if step_width is None else StepWidth.parse(step_width)
         self.layers = tuple(layers)
         if not self.layers:
             raise ValueError("layers needs at least one LayerPolicy")
         self.max_write = max_write
-        if not 0 <= int(rewind_budget) < 2**24:
-            raise ValueError(f"rewind_budget must be in [0, 2**24), got {rewind_budget}")
         self.rewind_budget = int(rewind_budget)
         self.delegation_spec: Optional[DelegationSpec] = None
 

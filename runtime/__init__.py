@@ -19,6 +19,8 @@ if torch.cuda.is_available():
 
 from offgraph_kv.runtime._runtime import Store, get_options, last_error, set_options, stores  # noqa: F401
 
+from offgraph_kv.schemas.manifest import check_growth_policy  # noqa: E402
+
 from offgraph_kv.runtime.host_module import HostMethod, RuntimeMethod, load_method, pybindings_match_torch  # noqa: E402
 
 __all__ = ["Store", "HostMethod", "RuntimeMethod", "last_error", "configure", "load_method", "stores", "options", "pybindings_match_torch"]
@@ -47,13 +49,7 @@ def configure(
     restores the export-time default. A max above the compiled bound fails at
     ``load_method``.
     """
-    for name, value in (("initial_capacity", initial_capacity), ("max_capacity", max_capacity)):
-        if value is not None and not 1 <= int(value) < 2**31:
-            raise ValueError(f"{name} must be in [1, 2**31), got {value}")
-    if growth_factor is not None and not float(growth_factor) > 1.0:
-        raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
-    if rewind_budget is not None and not 0 <= int(rewind_budget) < 2**24:
-        raise ValueError(f"rewind_budget must be in [0, 2**24), got {rewind_budget}")
+    check_growth_policy(initial_capacity, max_capacity, growth_factor, rewind_budget)
     if num_threads is not None and not 1 <= int(num_threads) <= 1024:
         raise ValueError(f"num_threads must be in [1, 1024], got {num_threads}")
     if growth is not None and growth not in ("map", "copy", "auto"):

@@ -68,6 +68,25 @@ def _invert(mapping: dict) -> dict:
     return {v: k for k, v in mapping.items()}
 
 
+def check_growth_policy(initial_capacity: "int | None" = None, max_capacity: "int | None" = None,
+                        growth_factor: "float | None" = None, rewind_budget: "int | None" = None,
+                        capacity_limit: int = 2**31) -> None:
+    """The growth policy's field ranges, for the export-time defaults and the
+    load-time overrides alike (``None``: not given); raises ValueError naming
+    the field. Capacities must be below ``capacity_limit`` (load-time overrides
+    travel as ExecuTorch backend options, which hold an int). The runtime checks
+    the same in ``GrowthPolicy::validate``."""
+    for name, value in (("initial_capacity", initial_capacity), ("max_capacity", max_capacity)):
+        if value is not None and not 1 <= int(value) < capacity_limit:
+            raise ValueError(f"{name} must be in [1, {capacity_limit}), got {value}")
+    if initial_capacity is not None and max_capacity is not None and int(initial_capacity) > int(max_capacity):
+        raise ValueError(f"initial_capacity {initial_capacity} must be in [1, max_capacity={max_capacity}]")
+    if growth_factor is not None and not float(growth_factor) > 1.0:
+        raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+    if rewind_budget is not None and not 0 <= int(rewind_budget) < 2**24:
+        raise ValueError(f"rewind_budget must be in [0, 2**24), got {rewind_budget}")
+
+
 def ring_slots(window: int, max_write: int, rewind_budget: int = 0) -> int:
     """Slots a ring layer keeps: a step of ``max_write`` tokens never evicts a
     position still inside the window, plus the rewind budget's. (The runtime's
