@@ -71,6 +71,7 @@ _SUBPROCESS_COMPILE = """
 import sys, torch
 import executorch.exir.passes.dim_order_ops_registry  # ops edge dialect leaves in the graph
 from offgraph_kv.backend.attention import COMPILE_DECOMPOSITIONS
+import offgraph_kv.backend.triton_attention  # registers offgraph_kv::update_attend before the program loads
 ep = torch.export.load(sys.argv[1]).run_decompositions(COMPILE_DECOMPOSITIONS)
 args = torch.load(sys.argv[2])
 options = torch.load(sys.argv[3])
