@@ -33,7 +33,8 @@ flat rows ``>= length`` come from the inputs, and a ring has
 query of this step can see. Each program keeps an online softmax in fp32
 (base 2) and leaves its partial output, max and sum.
 
-Launch 2, ``_combine``, merges the splits' partials per row and writes the
+Launch 2, ``_combine``, grid ``(T * G, H_kv)``, merges one row's partials
+from every split in one tile (a single round of loads) and writes the
 output, ``[1, T, H_q, D_v]`` memory seen as ``[1, H_q, T, D_v]`` (the layout
 the output projection reads without a copy).
 
@@ -62,6 +63,8 @@ except ImportError:  # CI installs no triton: the CUDA kernels are simply unavai
 BLOCK_M = 16  # folded query rows per program: the smallest tl.dot tile, a decode group (G <= 16) fits one
 BLOCK_N = 64  # keys per inner step
 PROGRAMS_PER_SM = 2
+NUM_WARPS = 4
+NUM_STAGES = 3
 _DEFAULT_SMS = 132  # an H200's count, for tracing off the GPU (the interpreter tests)
 
 # Set to "torch" at export to lower CUDA 16-bit programs through today's torch
@@ -201,36 +204,28 @@ if HAVE_TRITON:
     @triton.jit
     def _combine(
         ACC, MAX, SUM, OUT, so_t, so_h, T, n_splits,
-        G: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BLOCK_M: tl.constexpr,
+        G: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
-        mb = tl.program_id(0)
+        # One program per (folded row, KV head): all splits' partials in one tile,
+        # so the merge is one round of loads, not a loop of dependent ones.
+        row = tl.program_id(0)
         h = tl.program_id(1)
         n_kv = tl.num_programs(1)
         n_rows = T * G
-        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < n_rows
+        sp = tl.arange(0, BLOCK_S)
+        sp_ok = sp < n_splits
         dv = tl.arange(0, BDV)
-        mask = row_ok[:, None] & (dv < DV)[None, :]
-        m = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BDV], tl.float32)
-        for split in range(0, n_splits):
-            part = (split * n_kv + h) * n_rows + rows
-            m_s = tl.load(MAX + part, mask=row_ok, other=-1.0e30)
-            l_s = tl.load(SUM + part, mask=row_ok, other=0.0)
-            a_s = tl.load(ACC + part[:, None] * DV + dv[None, :], mask=mask, other=0.0)
-            m_new = tl.maximum(m, m_s)
-            old = tl.exp2(m - m_new)
-            cur = tl.exp2(m_s - m_new)
-            total = total * old + l_s * cur
-            acc = acc * old[:, None] + a_s * cur[:, None]
-            m = m_new
-        # Every row sees at least one key (flat: position 0; ring: its own), so total > 0 for real rows.
-        out = acc / tl.where(row_ok, total, 1.0)[:, None]
-        tok = rows // G
-        qh = h * G + rows % G
-        tl.store(OUT + tok[:, None] * so_t + qh[:, None] * so_h + dv[None, :], out.to(OUT.dtype.element_ty),
-                 mask=mask)
+        part = (sp * n_kv + h) * n_rows + row
+        m_s = tl.load(MAX + part, mask=sp_ok, other=-1.0e30)
+        l_s = tl.load(SUM + part, mask=sp_ok, other=0.0)
+        a_s = tl.load(ACC + part[:, None] * DV + dv[None, :], mask=sp_ok[:, None] & (dv < DV)[None, :], other=0.0)
+        m = tl.max(m_s, 0)
+        w = tl.exp2(m_s - m)
+        # Every row sees at least one key (flat: position 0; ring: its own), so the sum is > 0.
+        out = tl.sum(a_s * w[:, None], 0) / tl.sum(l_s * w, 0)
+        tok = row // G
+        qh = h * G + row % G
+        tl.store(OUT + tok * so_t + qh * so_h + dv, out.to(OUT.dtype.element_ty), mask=dv < DV)
 
     @triton_op("offgraph_kv::update_attend", mutates_args={"k_store", "v_store"})
     def update_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor,
@@ -252,7 +247,8 @@ if HAVE_TRITON:
         v = v.to(v_store.dtype)
         n_rows = t * g
         row_blocks = (n_rows + BLOCK_M - 1) // BLOCK_M
-        splits = torch.sym_max(1, (PROGRAMS_PER_SM * _multiprocessors(q.device)) // (hkv * row_blocks))
+        programs = PROGRAMS_PER_SM * _multiprocessors(q.device)
+        splits = torch.sym_max(1, programs // (hkv * row_blocks))
         acc = torch.empty((splits, hkv, n_rows, dv), device=q.device, dtype=torch.float32)
         mx = torch.empty((splits, hkv, n_rows), device=q.device, dtype=torch.float32)
         sm = torch.empty((splits, hkv, n_rows), device=q.device, dtype=torch.float32)
@@ -264,11 +260,12 @@ if HAVE_TRITON:
             k_store.stride(1), k_store.stride(2), v_store.stride(1), v_store.stride(2),
             t, k_store.shape[1], window, splits, scale * 1.4426950408889634,
             G=g, D=d, DV=dv, BD=_next_pow2(d), BDV=_next_pow2(dv), RING=window > 0,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_F32=_interpreted_bf16(k_store.dtype), num_warps=4, num_stages=3,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_F32=_interpreted_bf16(k_store.dtype),
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )
-        wrap_triton(_combine)[(row_blocks, hkv)](
+        wrap_triton(_combine)[(n_rows, hkv)](
             acc, mx, sm, out, out.stride(1), out.stride(2), t, splits,
-            G=g, DV=dv, BDV=_next_pow2(dv), BLOCK_M=BLOCK_M, num_warps=4,
+            G=g, DV=dv, BDV=_next_pow2(dv), BLOCK_S=_next_pow2(max(1, programs // hkv)), num_warps=4,
         )
         return out.transpose(1, 2)
 
@@ -285,12 +282,13 @@ def reference_update_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     _, hq, t, _ = q.shape
     hkv = k.shape[1]
     slots = k_store.shape[1]
-    pos = torch.arange(length, length + t)
+    dev = k_store.device
+    pos = torch.arange(length, length + t, device=dev)
     dest = pos % slots if window > 0 else pos
     k_store[0, dest] = k[0].transpose(0, 1).to(k_store.dtype)
     v_store[0, dest] = v[0].transpose(0, 1).to(v_store.dtype)
     lo = max(0, length + t - slots) if window > 0 else 0
-    key_pos = torch.arange(lo, length + t)
+    key_pos = torch.arange(lo, length + t, device=dev)
     rows = key_pos % slots if window > 0 else key_pos
     keys = k_store[0, rows].float().transpose(0, 1).repeat_interleave(hq // hkv, 0)  # [H_q, P, D]
     values = v_store[0, rows].float().transpose(0, 1).repeat_interleave(hq // hkv, 0)

@@ -132,6 +132,39 @@ def kernel_rows(memcpy_Bps: float, contexts: List[int]) -> Dict[str, object]:
     return out
 
 
+def tuning_sweep(memcpy_Bps: float, contexts: List[int]) -> List[Dict[str, object]]:
+    """Decode kernel variants (keys per block, warps, programs per SM), eager, to choose the defaults."""
+    from offgraph_kv.backend import triton_attention as ta
+
+    hq, hkv, d = 32, 8, 128
+    bf = torch.bfloat16
+    defaults = (ta.BLOCK_N, ta.NUM_WARPS, ta.PROGRAMS_PER_SM, ta.NUM_STAGES)
+    rows = []
+    try:
+        for ctx in contexts:
+            ks = torch.randn(1, ctx + 1, hkv, d, device="cuda", dtype=bf)
+            vs = torch.randn_like(ks)
+            q = torch.randn(1, hq, 1, d, device="cuda", dtype=bf)
+            k = torch.randn(1, hkv, 1, d, device="cuda", dtype=bf)
+            v = torch.randn_like(k)
+            length = torch.tensor([ctx], device="cuda")
+            kv_bytes = 2 * (ctx + 1) * hkv * d * 2
+            for bn in (64, 128):
+                for warps in (4, 8):
+                    for pps in (2, 4):
+                        for stages in (2, 4):
+                            ta.BLOCK_N, ta.NUM_WARPS, ta.PROGRAMS_PER_SM, ta.NUM_STAGES = bn, warps, pps, stages
+                            t = graph_time(lambda: ta.update_attend(q, k, v, ks, vs, length, 0, d ** -0.5, bf))
+                            rows.append({"context": ctx, "block_n": bn, "warps": warps, "programs_per_sm": pps,
+                                         "stages": stages, "ms": t * 1e3, "share": kv_bytes / t / memcpy_Bps})
+            best = max((r for r in rows if r["context"] == ctx), key=lambda r: r["share"])
+            print(f"sweep ctx {ctx}: best {json.dumps(best)}", flush=True)
+            del ks, vs
+    finally:
+        ta.BLOCK_N, ta.NUM_WARPS, ta.PROGRAMS_PER_SM, ta.NUM_STAGES = defaults
+    return rows
+
+
 def _build(shape: Dict[str, int], capacity: int, out: Path) -> Dict[str, object]:
     from benchmarks.cuda import build
 
@@ -200,6 +233,7 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--workdir", default="/tmp/cuda_kernels")
     p.add_argument("--skip-decode", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="also time decode kernel variants (eager)")
     p.add_argument("--build-only", help="(child) build one program to this path and exit")
     p.add_argument("--out", required=False)
     a = p.parse_args(argv)
@@ -246,6 +280,9 @@ def main(argv: "list[str] | None" = None) -> int:
     result["memcpy_TBps"] = memcpy_Bps / 1e12
     result["kernels"] = kernel_rows(memcpy_Bps, [int(c) for c in a.kernel_contexts.split(",")])
     save()
+    if a.sweep:
+        result["sweep"] = tuning_sweep(memcpy_Bps, [1024, 32768, 131072])
+        save()
     if child is not None:
         log = child.communicate()[0]
         result["build_torch"] = {"rc": child.returncode, "log_tail": log[-2000:]}
