@@ -176,9 +176,11 @@ if HAVE_TRITON:
                              KN + h * skn_h + new[:, None] * skn_t + d[None, :] * skn_d)
             k = tl.load(k_ptr, mask=kmask, other=0.0)
             if DOT_F32:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale_log2
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
             else:
-                s = tl.dot(q, tl.trans(k)) * scale_log2
+                s = tl.dot(q, tl.trans(k))
+            # AOTInductor passes the scale as fp64: keep the softmax state fp32.
+            s = (s * scale_log2).to(tl.float32)
             seen = row_ok[:, None] & k_ok[None, :] & (kp[None, :] <= qpos[:, None])
             if RING:
                 seen = seen & (kp[None, :] > qpos[:, None] - window)

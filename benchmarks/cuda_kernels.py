@@ -152,7 +152,7 @@ def tuning_sweep(memcpy_Bps: float, contexts: List[int]) -> List[Dict[str, objec
             for bn in (64, 128):
                 for warps in (4, 8):
                     for pps in (2, 4):
-                        for stages in (2, 4):
+                        for stages in (3,):
                             ta.BLOCK_N, ta.NUM_WARPS, ta.PROGRAMS_PER_SM, ta.NUM_STAGES = bn, warps, pps, stages
                             t = graph_time(lambda: ta.update_attend(q, k, v, ks, vs, length, 0, d ** -0.5, bf))
                             rows.append({"context": ctx, "block_n": bn, "warps": warps, "programs_per_sm": pps,
@@ -280,9 +280,6 @@ def main(argv: "list[str] | None" = None) -> int:
     result["memcpy_TBps"] = memcpy_Bps / 1e12
     result["kernels"] = kernel_rows(memcpy_Bps, [int(c) for c in a.kernel_contexts.split(",")])
     save()
-    if a.sweep:
-        result["sweep"] = tuning_sweep(memcpy_Bps, [1024, 32768, 131072])
-        save()
     if child is not None:
         log = child.communicate()[0]
         result["build_torch"] = {"rc": child.returncode, "log_tail": log[-2000:]}
@@ -293,6 +290,9 @@ def main(argv: "list[str] | None" = None) -> int:
         result["model"] = {**shape, "kv_storage_dtype": "bf16", "capacity": capacity}
         result["decode"] = decode_side_by_side(ptes, [int(c) for c in a.contexts.split(",")], a.steps,
                                                shape["vocab_size"], a.layers)
+        save()
+    if a.sweep:  # last: the least needed part of a run that may be cut short
+        result["sweep"] = tuning_sweep(memcpy_Bps, [32768, 131072])
         save()
     return 0
 
