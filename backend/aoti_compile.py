@@ -46,10 +46,22 @@ def _symbolic_wrapper() -> str:
     # -fno-gnu-unique: g++ emits template and inline statics as STB_GNU_UNIQUE,
     # which the dynamic linker binds process-wide: two programs loaded side by
     # side would share one instance of each (inductor's error flag among them).
+    # Each object file once per link: with embedded kernel binaries, AOTInductor
+    # (torch 2.11) can list one user-defined Triton kernel's cubin object twice
+    # when several call sites share it (seen on a 16-layer program: "multiple
+    # definition of ___update_attend_partial_9_start"); linking an object twice
+    # is never meant, so the wrapper drops the repeats.
     script = (
         "#!/bin/sh\n"
-        f'for a in "$@"; do [ "$a" = "-shared" ] && exec "{real}" "$@" -fno-gnu-unique -Wl,-Bsymbolic; done\n'
-        f'exec "{real}" "$@" -fno-gnu-unique\n'
+        'shared=0; for a in "$@"; do [ "$a" = "-shared" ] && shared=1; done\n'
+        f'[ $shared = 1 ] || exec "{real}" "$@" -fno-gnu-unique\n'
+        'n=$#; i=0; seen=" "\n'
+        'while [ $i -lt $n ]; do\n'
+        '  a=$1; shift; i=$((i + 1))\n'
+        '  case "$a" in *.o) case "$seen" in *" $a "*) continue;; esac; seen="$seen$a ";; esac\n'
+        '  set -- "$@" "$a"\n'
+        'done\n'
+        f'exec "{real}" "$@" -fno-gnu-unique -Wl,-Bsymbolic\n'
     )
     wrapper = os.path.join(inductor_cache_dir(), "g++-bsymbolic")
     try:
