@@ -46,10 +46,22 @@ def _symbolic_wrapper() -> str:
     # -fno-gnu-unique: g++ emits template and inline statics as STB_GNU_UNIQUE,
     # which the dynamic linker binds process-wide: two programs loaded side by
     # side would share one instance of each (inductor's error flag among them).
+    # Each object file once per link: with embedded kernel binaries, AOTInductor
+    # (torch 2.11) can list one user-defined Triton kernel's cubin object twice
+    # when several call sites share it (seen on a 16-layer program: "multiple
+    # definition of ___update_attend_partial_9_start"); linking an object twice
+    # is never meant, so the wrapper drops the repeats.
     script = (
         "#!/bin/sh\n"
-        f'for a in "$@"; do [ "$a" = "-shared" ] && exec "{real}" "$@" -fno-gnu-unique -Wl,-Bsymbolic; done\n'
-        f'exec "{real}" "$@" -fno-gnu-unique\n'
+        'shared=0; for a in "$@"; do [ "$a" = "-shared" ] && shared=1; done\n'
+        f'[ $shared = 1 ] || exec "{real}" "$@" -fno-gnu-unique\n'
+        'n=$#; i=0; seen=" "\n'
+        'while [ $i -lt $n ]; do\n'
+        '  a=$1; shift; i=$((i + 1))\n'
+        '  case "$a" in *.o) case "$seen" in *" $a "*) continue;; esac; seen="$seen$a ";; esac\n'
+        '  set -- "$@" "$a"\n'
+        'done\n'
+        f'exec "{real}" "$@" -fno-gnu-unique -Wl,-Bsymbolic\n'
     )
     wrapper = os.path.join(inductor_cache_dir(), "g++-bsymbolic")
     try:
@@ -71,7 +83,14 @@ _SUBPROCESS_COMPILE = """
 import sys, torch
 import executorch.exir.passes.dim_order_ops_registry  # ops edge dialect leaves in the graph
 from offgraph_kv.backend.attention import COMPILE_DECOMPOSITIONS
-ep = torch.export.load(sys.argv[1]).run_decompositions(COMPILE_DECOMPOSITIONS)
+import offgraph_kv.backend.triton_attention  # registers offgraph_kv::update_attend before the program loads
+ep = torch.export.load(sys.argv[1])
+try:
+    # Our Triton ops (triton_attention) become their kernels here; export keeps
+    # them whole, and AOTI would otherwise call them back through a proxy executor.
+    ep = ep.run_decompositions(COMPILE_DECOMPOSITIONS, decompose_custom_triton_ops=True)
+except TypeError:  # a torch without the flag
+    ep = ep.run_decompositions(COMPILE_DECOMPOSITIONS)
 args = torch.load(sys.argv[2])
 options = torch.load(sys.argv[3])
 module = ep.module()

@@ -13,6 +13,7 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.extension.llm.cache.reference_cache import LayerKind
 from torch.export import Dim, ExportedProgram
 
+from offgraph_kv.backend import triton_attention
 from offgraph_kv.backend.aoti_compile import compile_shared_object, target_of
 from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError, find_sites
 from offgraph_kv.backend.compile_specs import BackendSpecs, StepWidth
@@ -221,12 +222,13 @@ class OffGraphKVBackend(BackendDetails):
         program = edge_to_aten(edge_program.module())
         bind_private_tensors(program)
         windows = [p.window if p.kind is LayerKind.RING else 0 for p in specs.layers]
-        wrapper = PrivateTensorProgram(program, len(inputs), windows)
+        kernels = triton_attention.kernels_apply(device, specs.storage_dtype)
+        wrapper = PrivateTensorProgram(program, len(inputs), windows, kernels=kernels)
         # Automatic too, for the same reason (on CUDA: min(16*S, 32*S) == 16*S);
         # the runtime keeps readable rows within max_capacity <= capacity_bound.
         rows = Dim.DYNAMIC
         private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, device, windows, specs.max_write,
-                                          specs.rewind_budget)
+                                          specs.rewind_budget, with_length=kernels)
         # Flat storage binds a prefix of any length; rings are bound whole, with
         # as many slots as the load-time rewind budget adds (the code reads it).
         dyn = dyn + [{1: rows} for _ in range(2 * len(sites))]

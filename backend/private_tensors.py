@@ -18,6 +18,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 from torch import fx, nn
 
+from offgraph_kv.backend import triton_attention
 from offgraph_kv.backend.attention import attend_flat, attend_masked
 from offgraph_kv.backend.cache_ops import CacheOpSite, find_sites, is_cache_op
 from offgraph_kv.schemas.manifest import ring_slots
@@ -27,13 +28,14 @@ _BOUND = threading.local()
 
 @contextmanager
 def _bound(stores: Dict[int, Tuple[torch.Tensor, torch.Tensor]], windows: Dict[int, int],
-           length: "torch.Tensor | None") -> Iterator[None]:
-    prev = (getattr(_BOUND, "stores", None), getattr(_BOUND, "windows", None), getattr(_BOUND, "length", None))
-    _BOUND.stores, _BOUND.windows, _BOUND.length = stores, windows, length
+           length: "torch.Tensor | None", kernels: bool = False) -> Iterator[None]:
+    prev = (getattr(_BOUND, "stores", None), getattr(_BOUND, "windows", None), getattr(_BOUND, "length", None),
+            getattr(_BOUND, "kernels", False))
+    _BOUND.stores, _BOUND.windows, _BOUND.length, _BOUND.kernels = stores, windows, length, kernels
     try:
         yield
     finally:
-        _BOUND.stores, _BOUND.windows, _BOUND.length = prev
+        _BOUND.stores, _BOUND.windows, _BOUND.length, _BOUND.kernels = prev
 
 
 def write_and_attend_flat(
@@ -100,6 +102,9 @@ def _lowered_update_and_attend(q, k, v, position, layer_id, scale, out_dtype):  
     """Stands in for the cache op while the program is re-traced for compilation."""
     k_store, v_store = _BOUND.stores[layer_id]
     window = _BOUND.windows.get(layer_id, 0)
+    if _BOUND.kernels:
+        # CUDA, 16-bit storage: one op writes and attends, positions from the length tensor.
+        return triton_attention.update_attend(q, k, v, k_store, v_store, _BOUND.length, window, scale, out_dtype)
     if window > 0:
         return write_and_attend_ring(q, k, v, k_store, v_store, _BOUND.length, window, scale, out_dtype)
     return write_and_attend_flat(q, k, v, k_store, v_store, scale, out_dtype)
@@ -110,25 +115,29 @@ class PrivateTensorProgram(nn.Module):
 
     ``forward(*user_inputs, k_0, v_0, k_1, v_1, ..., [length])``: the private
     tensors come after the delegate's own inputs, two per layer in layer order,
-    then, when any layer is a ring, the committed length (int64 ``[1]``).
+    then, when any layer is a ring or the program attends through the CUDA
+    kernels (``kernels``: ``triton_attention.update_attend``), the committed
+    length (int64 ``[1]``).
     """
 
-    def __init__(self, program: fx.GraphModule, num_user_inputs: int, windows: Sequence[int]) -> None:
+    def __init__(self, program: fx.GraphModule, num_user_inputs: int, windows: Sequence[int],
+                 kernels: bool = False) -> None:
         super().__init__()
         self.program = program
         self.num_user_inputs = num_user_inputs
         self.windows = {i: w for i, w in enumerate(windows) if w > 0}
         self.num_layers = len(windows)
+        self.kernels = kernels
 
     @property
     def has_length_input(self) -> bool:
-        return bool(self.windows)
+        return bool(self.windows) or self.kernels
 
     def forward(self, *args: torch.Tensor):  # noqa: ANN201
         user, private = args[: self.num_user_inputs], args[self.num_user_inputs:]
         stores = {i: (private[2 * i], private[2 * i + 1]) for i in range(self.num_layers)}
         length = private[2 * self.num_layers] if self.has_length_input else None
-        with _bound(stores, self.windows, length):
+        with _bound(stores, self.windows, length, self.kernels):
             return self.program(*user)
 
 
@@ -144,16 +153,17 @@ def bind_private_tensors(program: fx.GraphModule) -> List[CacheOpSite]:
 
 def private_tensor_examples(
     sites: Sequence[CacheOpSite], rows: int, dtype: torch.dtype, device: str,
-    windows: Sequence[int], max_write: int, rewind_budget: int = 0,
+    windows: Sequence[int], max_write: int, rewind_budget: int = 0, with_length: bool = False,
 ) -> List[torch.Tensor]:
     """Example storage for tracing: ``[1, rows, H_kv, D]`` per flat tensor,
-    ``[1, slots, H_kv, D]`` per ring tensor, then the length when rings exist."""
+    ``[1, slots, H_kv, D]`` per ring tensor, then the length when rings exist
+    (or ``with_length``: the CUDA kernels read it for every layer)."""
     out = []
     for s in sites:
         w = windows[s.layer_id]
         n = ring_slots(w, max_write, rewind_budget) if w > 0 else rows
         out.append(torch.zeros(1, n, s.num_kv_heads, s.head_dim, dtype=dtype, device=device))
         out.append(torch.zeros(1, n, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=device))
-    if any(w > 0 for w in windows):
+    if with_length or any(w > 0 for w in windows):
         out.append(torch.zeros(1, dtype=torch.long, device=device))
     return out

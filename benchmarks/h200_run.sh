@@ -8,6 +8,7 @@
 #   bash benchmarks/h200_run.sh bench     # python -m benchmarks.cuda, 32 layers, to 32K tokens
 #   bash benchmarks/h200_run.sh static    # python -m benchmarks.cuda_static: baseline 2 beside offgraph-kv (~7 min)
 #   bash benchmarks/h200_run.sh long      # 100K-token generation (16 layers) + what the checks cost per step (~8 min)
+#   bash benchmarks/h200_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
 # (carry .whl: the executorch 1.5.1 cp312 wheel and friends, see h200_setup.sh)
 set +e
 OUT=${OUT:-/tmp/out}
@@ -64,6 +65,18 @@ case "${1:-tests}" in
     timeout $left python3 -m benchmarks.checks --device cuda --pte /tmp/long/long_run.pte --rounds 3 --steps 300 \
       --out "$OUT/checks_h200.json" > "$OUT/checks.txt" 2>&1
     grep -E "SHA|decode step|Error" "$OUT/checks.txt"
+    ;;
+  kernels)
+    # The oracle tests compile beside the benchmark's two 16-layer programs (their GPU work is small).
+    (timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py > "$OUT/pytest_kernels.txt" 2>&1
+     timeout 300 python3 -m pytest -q -p no:cacheprovider -n 3 tests/test_cuda.py -k "kernels_mixed or growth" \
+       --junitxml="$OUT/cuda_kernels_tests_h200.junit.xml" >> "$OUT/pytest_kernels.txt" 2>&1) &
+    export AOTI_RUNTIME_CHECK_INPUTS=0
+    timeout $((570 - SECONDS)) python3 -m benchmarks.cuda_kernels --layers ${2:-16} --sweep \
+      --out "$OUT/cuda_kernels_h200.json" > "$OUT/kernels.txt" 2>&1
+    grep -E "^built|build failed|ctx|^\{" "$OUT/kernels.txt" | cut -c1-300
+    wait
+    grep -E "passed|failed" "$OUT/pytest_kernels.txt"
     ;;
   growth)
     python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1

@@ -47,3 +47,18 @@ def test_compiler_wrapper_emits_no_gnu_unique_symbols_so_programs_do_not_share_s
         tmp_path, "inline int& counter() { static int c = 0; return c; }\nint bump() { return ++counter(); }\n", "-Ws")
     assert "UNIQUE" in plain
     assert "UNIQUE" not in wrapped
+
+
+def test_compiler_wrapper_links_an_object_listed_twice_once(tmp_path: Path) -> None:
+    # AOTInductor can name one embedded kernel's cubin object twice in a link;
+    # plain g++ then fails with multiple definitions, the wrapper links it once.
+    obj = tmp_path / "kernel.o"
+    (tmp_path / "kernel.cpp").write_text("extern \"C\" int kernel_start = 1;\nint f() { return kernel_start; }\n")
+    subprocess.run(["g++", "-c", "-fPIC", str(tmp_path / "kernel.cpp"), "-o", str(obj)], check=True)
+    cmd = ["-shared", "-fPIC", str(obj), str(obj), "-o"]
+    plain = subprocess.run([shutil.which("g++") or "g++", *cmd, str(tmp_path / "plain.so")], capture_output=True,
+                           text=True)
+    assert plain.returncode != 0 and "multiple definition" in plain.stderr
+    wrapped = subprocess.run([aoti_compile.symbolic_compile_env()["CXX"], *cmd, str(tmp_path / "wrapped.so")],
+                             capture_output=True, text=True)
+    assert wrapped.returncode == 0, wrapped.stderr

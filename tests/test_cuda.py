@@ -191,3 +191,25 @@ def test_cuda_million_row_reservation_for_an_8b_shaped_store_costs_no_device_mem
     # Only the initial rows are backed (one chunk per tensor); the reservation itself takes nothing.
     assert c["allocated_bytes"] <= 64 * (2 << 20)
     assert c["device_used_delta"] <= c["allocated_bytes"], c
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_cuda_kernels_mixed_ring_and_flat_layers_match_oracle(pte_factory, model, dtype):
+    # 16-bit storage on CUDA attends through our Triton kernels (one op per layer:
+    # write at the length read from device memory, then attend): rings of 6 and
+    # 16 beside a flat layer, prompt chunks that straddle wraps and growths.
+    layers = (LayerPolicy.ring(6), LayerPolicy.flat(), LayerPolicy.ring(16))
+    path = pte_factory(device="cuda", storage_dtype=dtype, initial_capacity=8, layers=layers, max_write=8)
+    assert b"_update_attend_partial" in path.read_bytes(), "the program does not embed the Triton kernels"
+    session = Session(path)
+    oracle = Oracle(model, dtype, layers=layers)
+    tokens = prompt(21, seed=4)
+    for start in range(0, 21, 8):
+        chunk = tokens[:, start:start + 8]
+        torch.testing.assert_close(session.step(chunk), oracle.step(chunk), atol=TOL[dtype], rtol=TOL[dtype])
+    nxt = prompt(1, seed=9)
+    for _ in range(40):
+        got, want = session.step(nxt), oracle.step(nxt)
+        torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+        nxt = greedy(want)
+    assert session.store.length == 61
