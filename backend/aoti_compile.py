@@ -80,7 +80,18 @@ def _symbolic_wrapper() -> str:
 
 
 _SUBPROCESS_COMPILE = """
-import sys, torch
+import os, sys, torch
+_remove = os.remove
+def _remove_object_once(path, *args, **kwargs):
+    # torch 2.11 lists a Triton kernel shared by several call sites twice among
+    # the objects it links (the g++ wrapper links it once), then deletes every
+    # listed object: the second delete of the same .o finds nothing.
+    try:
+        _remove(path, *args, **kwargs)
+    except FileNotFoundError:
+        if not str(path).endswith(".o"):
+            raise
+os.remove = _remove_object_once  # this process only compiles
 import executorch.exir.passes.dim_order_ops_registry  # ops edge dialect leaves in the graph
 from offgraph_kv.backend.attention import COMPILE_DECOMPOSITIONS
 import offgraph_kv.backend.triton_attention  # registers offgraph_kv::update_attend before the program loads
