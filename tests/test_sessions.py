@@ -270,6 +270,9 @@ import gc, json, sys
 import torch
 import offgraph_kv.runtime
 from offgraph_kv.runtime import RuntimeMethod, Sessions
+from executorch.runtime import Runtime
+
+Runtime.get()  # the runtime's own libraries are loaded before the first measurement
 
 def rss():
     for line in open("/proc/self/status"):
@@ -330,7 +333,10 @@ def test_rss_grows_by_the_sessions_kv_only_weights_counted_once(medium_pte, mode
     assert added <= bound, f"{n - 1} more sessions added {added / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB ({r})"
     # Loaded separately, each would hold its own weights: (n - 1) x weight_bytes more.
     assert added < 0.25 * weight_bytes
-    assert [e["sessions"] for e in r["shared"]] == [n] and r["shared"][0]["weight_bytes"] == weight_bytes
+    print(f"{mode}: first session {first / 2**20:.1f} MiB, {n - 1} more {added / 2**20:.1f} MiB "
+          f"(their KV {kv / 2**20:.1f} MiB), weights {weight_bytes / 2**20:.1f} MiB")
+    assert [e["sessions"] for e in r["shared"]] == [n]
+    assert abs(r["shared"][0]["weight_bytes"] - weight_bytes) < 0.01 * weight_bytes  # parameters (+ small buffers)
 
 
 def test_fifty_load_and_drop_cycles_leak_nothing(medium_pte):
@@ -340,4 +346,5 @@ def test_fifty_load_and_drop_cycles_leak_nothing(medium_pte):
     # After the first cycles warm the allocator, RSS stays flat: a weight copy
     # kept per cycle would add 135 MB each time.
     growth = r["after"][-1] - r["after"][4]
+    print(f"RSS after cycle 5: {r['after'][4] / 2**20:.1f} MiB, after cycle 50: {r['after'][-1] / 2**20:.1f} MiB")
     assert growth < 16 * 2**20, [a / 2**20 for a in r["after"]]
