@@ -85,15 +85,18 @@ class RuntimeMethod:
         self.method_name = method
         try:
             # InternalConsistency: a corrupt program FlatBuffer is an error, not a crash in Init.
-            self.program = _program if _program is not None else \
+            program = _program if _program is not None else \
                 Runtime.get().load_program(str(path), verification=Verification.InternalConsistency)
             # executorch.runtime's Program caches one Method per name (and keeps it as
             # long as the Program); its underlying program loads a new one, a new
             # delegate init, each time, freed with this object.
-            inner = getattr(self.program, "_program", None)
-            self.method = Method(inner.load_method(method)) if inner is not None else self.program.load_method(method)
+            inner = getattr(program, "_program", None)
+            loaded = Method(inner.load_method(method)) if inner is not None else program.load_method(method)
         except RuntimeError as err:
             raise _with_delegate_message(err) from err
+        # Attributes are released in the order they were set: the method before its program.
+        self.method = loaded
+        self.program = program
         self.store: Optional[Store] = take_last_store()
 
     def new_session(self) -> "RuntimeMethod":
