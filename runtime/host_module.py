@@ -94,9 +94,9 @@ class RuntimeMethod:
             loaded = Method(inner.load_method(method)) if inner is not None else program.load_method(method)
         except RuntimeError as err:
             raise _with_delegate_message(err) from err
-        # Attributes are released in the order they were set: the method before its program.
-        self.method = loaded
+        # (executorch.runtime's Method keeps its program alive, so the order they go in does not matter.)
         self.program = program
+        self.method = loaded
         self.store: Optional[Store] = take_last_store()
 
     def new_session(self) -> "RuntimeMethod":
