@@ -21,9 +21,16 @@ from offgraph_kv.runtime._runtime import Store, get_options, last_error, set_opt
 
 from offgraph_kv.schemas.manifest import check_growth_policy  # noqa: E402
 
-from offgraph_kv.runtime.host_module import HostMethod, RuntimeMethod, load_method, pybindings_match_torch  # noqa: E402
+from offgraph_kv.runtime.host_module import (  # noqa: E402
+    HostMethod,
+    RuntimeMethod,
+    Sessions,
+    load_method,
+    pybindings_match_torch,
+)
 
-__all__ = ["Store", "HostMethod", "RuntimeMethod", "last_error", "configure", "load_method", "stores", "options", "pybindings_match_torch"]
+__all__ = ["Store", "HostMethod", "RuntimeMethod", "Sessions", "last_error", "configure", "load_method", "stores",
+           "options", "pybindings_match_torch", "shared_weights"]
 
 
 def configure(
@@ -75,3 +82,12 @@ def latest_store() -> Store:
     if not live:
         raise RuntimeError("no offgraph-kv method is loaded")
     return live[-1]
+
+
+def shared_weights() -> List[Dict[str, object]]:
+    """The weights held in this process: one entry per program (``key``: compiled code,
+    place, digest of the weight list), with ``sessions`` (loaded methods sharing it)
+    and ``weight_bytes``. Empty once every method of every program is gone."""
+    from offgraph_kv.runtime._runtime import shared_weights as _shared_weights
+
+    return list(_shared_weights())

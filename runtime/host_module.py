@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import List, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from offgraph_kv.runtime._runtime import HostRunner, clear_last_error, last_error
+from offgraph_kv.runtime._runtime import HostRunner, Store, clear_last_error, last_error, take_last_store
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -26,8 +26,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class HostMethod:
     """One loaded method; ``execute`` mirrors ``executorch.runtime``'s ``Method.execute``."""
 
-    def __init__(self, path: Union[str, Path], method: str = "forward") -> None:
-        self._runner = HostRunner(str(path), method)
+    def __init__(self, path: Union[str, Path], method: str = "forward", *, _runner: Optional[HostRunner] = None) -> None:
+        self._runner = _runner if _runner is not None else HostRunner(str(path), method)
+        self.path = Path(path)
+
+    @property
+    def store(self) -> Optional[Store]:
+        """The KV store this method owns."""
+        return self._runner.store
+
+    def new_session(self) -> "HostMethod":
+        """The method loaded again over the same Program (ExecuTorch's ``Module(program)``):
+        its own KV store and planned memory, the compiled code and the weights shared."""
+        return HostMethod(self.path, _runner=self._runner.new_session())
 
     def execute(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         dense = []
@@ -65,16 +76,36 @@ def _with_delegate_message(err: Exception) -> RuntimeError:
 class RuntimeMethod:
     """A method loaded through ``executorch.runtime`` whose errors name the problem."""
 
-    def __init__(self, path: Union[str, Path], method: str) -> None:
-        from executorch.runtime import Runtime, Verification
+    def __init__(self, path: Union[str, Path], method: str = "forward", *, _program: object = None) -> None:
+        from executorch.runtime import Method, Runtime, Verification
 
         clear_last_error()
+        take_last_store()  # forget a store of an earlier load on this thread
+        self.path = Path(path)
+        self.method_name = method
         try:
             # InternalConsistency: a corrupt program FlatBuffer is an error, not a crash in Init.
-            self.program = Runtime.get().load_program(str(path), verification=Verification.InternalConsistency)
-            self.method = self.program.load_method(method)
+            program = _program if _program is not None else \
+                Runtime.get().load_program(str(path), verification=Verification.InternalConsistency)
+            # executorch.runtime's Program caches one Method per name (and keeps it as
+            # long as the Program); its underlying program loads a new one, a new
+            # delegate init, each time, freed with this object.
+            inner = getattr(program, "_program", None)
+            loaded = Method(inner.load_method(method)) if inner is not None else program.load_method(method)
         except RuntimeError as err:
             raise _with_delegate_message(err) from err
+        # (executorch.runtime's Method keeps its program alive, so the order they go in does not matter.)
+        self.program = program
+        self.method = loaded
+        self.store: Optional[Store] = take_last_store()
+
+    def new_session(self) -> "RuntimeMethod":
+        """The method loaded again from the same Program: its own KV store, the compiled
+        code and the weights shared. Methods of one Program share its activation memory
+        (executorch.runtime's rule for host methods), so its sessions take turns; for
+        sessions on different threads load a Program per thread (``RuntimeMethod(path)``),
+        which still shares the code and the weights."""
+        return RuntimeMethod(self.path, self.method_name, _program=self.program)
 
     def execute(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         clear_last_error()
@@ -92,3 +123,45 @@ def load_method(path: Union[str, Path], method: str = "forward") -> object:
     if os.environ.get("OFFGRAPH_KV_HOST_RUNNER") != "1" and pybindings_match_torch():
         return RuntimeMethod(path, method)
     return HostMethod(path, method)
+
+
+class Sessions:
+    """Several conversations over one loaded program: the compiled code and the
+    weights are in memory once per process, each session has its own KV store.
+
+    ``sessions = Sessions("model.pte", 3)``; ``sessions[i].execute(inputs)`` runs a step
+    of conversation ``i`` (any order, any interleaving); ``sessions[i].store`` is its
+    store (rewind, save, metrics); ``sessions.add()`` opens another,
+    ``sessions.close(i)`` drops one. Memory: weights once + the sessions' KV.
+    The sessions of one ``Sessions`` take turns (one thread at a time); give each
+    thread its own ``Sessions`` to run concurrently; they still share the weights.
+    """
+
+    def __init__(self, path: Union[str, Path], count: int = 1, method: str = "forward") -> None:
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be a positive int, got {count!r}")
+        first = load_method(path, method)
+        self._sessions: List[Union[RuntimeMethod, HostMethod]] = [first]
+        for _ in range(count - 1):
+            self.add()
+
+    def add(self) -> Union["RuntimeMethod", HostMethod]:
+        """Open one more session (the method loaded again over the same Program)."""
+        if not self._sessions:
+            raise RuntimeError("every session was closed; create a new Sessions")
+        session = self._sessions[0].new_session()
+        self._sessions.append(session)
+        return session
+
+    def close(self, index: int) -> None:
+        """Drop session ``index`` and its KV store (the weights stay while any session remains)."""
+        del self._sessions[index]
+
+    def __getitem__(self, index: int) -> Union["RuntimeMethod", HostMethod]:
+        return self._sessions[index]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Union["RuntimeMethod", HostMethod]]:
+        return iter(self._sessions)

@@ -135,6 +135,21 @@ def pte_factory(tmp_path_factory: pytest.TempPathFactory, model: Transformer) ->
     return make
 
 
+# A model with ~135 MB of fp32 weights: large enough that a copy of the weights
+# would stand out against torch's own RSS noise, small enough to export in CI.
+MEDIUM = ModelArgs(dim=512, n_layers=6, n_heads=8, n_kv_heads=2, vocab_size=16384, multiple_of=256)
+
+
+@pytest.fixture(scope="session")
+def medium_pte(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, int]:
+    """The MEDIUM model lowered once per session (fp32 KV, initial capacity 256): its path and weight bytes."""
+    model = init_deterministic(Transformer(MEDIUM), seed=3).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    path = tmp_path_factory.mktemp("medium") / "medium.pte"
+    path.write_bytes(lower(model, storage_dtype=torch.float32, initial_capacity=256))
+    return path, weight_bytes
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1:].argmax(-1)
 

@@ -118,9 +118,14 @@ tokens = torch.tensor([[3, 1, 4]])
 def run(path):
     m = offgraph_kv.runtime.load_method(path)
     return m, m.execute([tokens, positions(0, 3)])[0]
-_, clean = run(sys.argv[1])
+# No method stays loaded between mutants: a live session of the same program
+# would lend its checked weights to the next load (sessions share them), and
+# the mutant's own weight bytes would go unchecked.
+clean = run(sys.argv[1])[1]
+m = None
 print("READY", flush=True)
 for line in sys.stdin:
+    m = None
     edits = json.loads(line)
     data = bytearray(src)
     for at, hexbytes in edits:

@@ -6,9 +6,14 @@ recorded under benchmarks/results/.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
-from conftest import TOY, Oracle, Session, greedy, load_configured, prompt
+from conftest import MEDIUM, TOY, Oracle, Session, greedy, load_configured, lower, positions, prompt
+from model import Transformer, init_deterministic
+
+import offgraph_kv.runtime
 from executorch.extension.llm.cache.reference_cache import LayerPolicy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -213,3 +218,70 @@ def test_cuda_kernels_mixed_ring_and_flat_layers_match_oracle(pte_factory, model
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
         nxt = greedy(want)
     assert session.store.length == 61
+
+
+@pytest.fixture(scope="module")
+def medium_cuda_pte(tmp_path_factory: pytest.TempPathFactory) -> "tuple[object, int]":
+    """The ~135 MB MEDIUM model compiled for CUDA (its weights stand out in device memory)."""
+    model = init_deterministic(Transformer(MEDIUM), seed=3).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    path = tmp_path_factory.mktemp("medium_cuda") / "medium_cuda.pte"
+    path.write_bytes(lower(model, device="cuda", storage_dtype=torch.bfloat16, initial_capacity=256))
+    return path, weight_bytes
+
+
+def _device_used() -> int:
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def test_cuda_sessions_hold_the_weights_once_and_interleave_like_each_alone(medium_cuda_pte):
+    path, weight_bytes = medium_cuda_pte
+    gc.collect()
+    width = 16
+    tokens = [prompt(width, seed=20 + i) % MEDIUM.vocab_size for i in range(4)]
+
+    def run(method, i):  # a 16-token prefill, then 8 greedy steps
+        outs = [method.execute([tokens[i], positions(0, width)])[0].clone()]
+        for k in range(8):
+            outs.append(method.execute([greedy(outs[-1]), positions(width + k, 1)])[0].clone())
+        return outs
+
+    alone = []
+    for i in range(4):
+        alone.append(run(offgraph_kv.runtime.load_method(path), i))  # either route, like Sessions
+        gc.collect()
+    before = _device_used()
+    sessions = offgraph_kv.runtime.Sessions(path, 1)
+    first = sessions[0]
+    first.execute([tokens[0], positions(0, width)])  # allocates the KV and the step's workspace
+    first.store.reset()
+    after_one = _device_used()
+    for _ in range(3):
+        s = sessions.add()
+        s.execute([tokens[0], positions(0, width)])
+        s.store.reset()
+    after_four = _device_used()
+    shared = [e for e in offgraph_kv.runtime.shared_weights() if e["sessions"] == 4]
+    assert len(shared) == 1 and shared[0]["on_device"], offgraph_kv.runtime.shared_weights()
+    assert after_one - before >= 0.9 * weight_bytes  # the weights are on the device, once
+    kv = sum(s.store.metrics()["allocated_bytes"] for s in list(sessions)[1:])
+    added = after_four - after_one
+    # Three more sessions: their KV plus a container and a stream each; three
+    # more copies of the weights would be 3 x 133 MB.
+    assert added <= kv + 3 * 32 * 2**20, (added, kv, weight_bytes)
+    # Interleaved step by step: each gives exactly what it gave alone.
+    for s in sessions:
+        s.store.reset()
+    runs = [[] for _ in range(4)]
+    for i, s in enumerate(sessions):
+        runs[i].append(s.execute([tokens[i], positions(0, width)])[0].clone())
+    for k in range(8):
+        for i, s in enumerate(sessions):
+            runs[i].append(s.execute([greedy(runs[i][-1]), positions(width + k, 1)])[0].clone())
+    for i in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(runs[i], alone[i])), f"session {i}"
+    del sessions, first, s
+    gc.collect()
+    assert not [e for e in offgraph_kv.runtime.shared_weights() if e["on_device"]]

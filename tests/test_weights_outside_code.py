@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, Oracle, Session, greedy, lower, prompt, toy_model
-from model import ModelArgs, Transformer, init_deterministic
+from conftest import REPO, Oracle, Session, greedy, prompt, toy_model
 
 from offgraph_kv.schemas import Manifest
 
@@ -148,10 +147,6 @@ def test_flipped_byte_in_a_weight_fails_the_load_naming_it(pte_factory, model, t
     assert f"weights: '{big.fqn}': its bytes do not match their checksum" in err
 
 
-# A model with ~135 MB of fp32 weights: large enough that a copy of the weights
-# would stand out against torch's own RSS noise, small enough to export in CI.
-MEDIUM = ModelArgs(dim=512, n_layers=6, n_heads=8, n_kv_heads=2, vocab_size=16384, multiple_of=256)
-
 _RSS_CHILD = r"""
 import json, sys, time
 import torch
@@ -181,15 +176,6 @@ store = offgraph_kv.runtime.stores()[-1].metrics()
 print(json.dumps({"before": before, "after_load": after_load, "after_step": after_step, "load_s": load_s,
                   "kv_bytes": store["allocated_bytes"]}))
 """
-
-
-@pytest.fixture(scope="module")
-def medium_pte(tmp_path_factory: pytest.TempPathFactory) -> "tuple[Path, int]":
-    model = init_deterministic(Transformer(MEDIUM), seed=3).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    path = tmp_path_factory.mktemp("medium") / "medium.pte"
-    path.write_bytes(lower(model, storage_dtype=torch.float32, initial_capacity=256))
-    return path, weight_bytes
 
 
 def test_rss_after_load_stays_within_the_weight_bytes(medium_pte):

@@ -33,6 +33,8 @@ using executorch::runtime::Result;
 namespace {
 
 struct DelegateState {
+  // One session: its own container (in the executor) and KV store; the
+  // weights' memory is shared with the program's other sessions (weights.h).
   std::unique_ptr<BoundWeights> weights;  // declared before the executor: freed after the container that reads it
   std::unique_ptr<StepExecutor> executor;
 };
@@ -136,9 +138,12 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
                            std::to_string(m.num_outputs) + " outputs, the compiled code has " +
                            std::to_string(program->num_inputs()) + " and " + std::to_string(program->num_outputs())),
                 "init");
-  // Weights kept outside the code (weights.h): checked against the code, then bound.
+  // Weights kept outside the code (weights.h): checked against the code, then
+  // bound; the first session of this program in the process reads and checks
+  // the bytes, later ones share them.
   if (m.weights_outside_code()) {
-    state->weights = BoundWeights::bind(*program, m.weights, *data_map, m.device == DeviceKind::CUDA, &s);
+    state->weights =
+        BoundWeights::bind(*program, m.compiled_code_key, m.weights, *data_map, m.device == DeviceKind::CUDA, &s);
     if (!state->weights) return fail(s, "init");
   }
 

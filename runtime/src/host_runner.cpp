@@ -4,6 +4,8 @@
 
 #include <utility>
 
+#include "store_registry.h"
+
 namespace offgraph_kv {
 namespace {
 
@@ -41,29 +43,45 @@ std::string error_text(const char* what, executorch::runtime::Error e) {
 
 }  // namespace
 
-HostRunner::HostRunner(const std::string& path, std::string method)
-    : module_(path, executorch::extension::module::Module::LoadMode::Mmap), method_(std::move(method)) {}
+using executorch::extension::module::Module;
+
+HostRunner::HostRunner(std::shared_ptr<Module> module, std::string method, std::shared_ptr<Module> origin)
+    : module_(std::move(module)), origin_(std::move(origin)), method_(std::move(method)) {}
+
+Status HostRunner::load_method() {
+  take_last_store_on_this_thread();  // forget a store of an earlier load on this thread
+  auto e = module_->load_method(method_);
+  if (e != executorch::runtime::Error::Ok)
+    return Status(e, error_text(("loading method '" + method_ + "'").c_str(), e));
+  store_ = take_last_store_on_this_thread();
+  return Status::ok_status();
+}
 
 std::unique_ptr<HostRunner> HostRunner::load(const std::string& path, const std::string& method, Status* status) {
-  std::unique_ptr<HostRunner> runner(new HostRunner(path, method));
+  auto module = std::make_shared<Module>(path, Module::LoadMode::Mmap);
+  std::unique_ptr<HostRunner> runner(new HostRunner(module, method, module));
   // Verify the program's own FlatBuffer: a corrupt one must be an error here, not a crash in Init.
-  auto e = runner->module_.load(executorch::runtime::Program::Verification::InternalConsistency);
+  auto e = module->load(executorch::runtime::Program::Verification::InternalConsistency);
   if (e != executorch::runtime::Error::Ok) {
     *status = Status(e, error_text(("loading program " + path).c_str(), e));
     return nullptr;
   }
-  e = runner->module_.load_method(method);
-  if (e != executorch::runtime::Error::Ok) {
-    *status = Status(e, error_text(("loading method '" + method + "'").c_str(), e));
-    return nullptr;
-  }
-  *status = Status::ok_status();
+  *status = runner->load_method();
+  if (!status->ok()) return nullptr;
+  return runner;
+}
+
+std::unique_ptr<HostRunner> HostRunner::new_session(Status* status) const {
+  auto module = std::make_shared<Module>(module_->program());
+  std::unique_ptr<HostRunner> runner(new HostRunner(std::move(module), method_, origin_));
+  *status = runner->load_method();
+  if (!status->ok()) return nullptr;
   return runner;
 }
 
 Status HostRunner::run(const std::vector<HostTensor>& inputs, std::vector<HostTensor>* outputs) {
   // Module::execute keeps the previous call's value of any input not given; refuse instead.
-  auto meta = module_.method_meta(method_);
+  auto meta = module_->method_meta(method_);
   if (!meta.ok()) return Status(meta.error(), error_text(("reading method '" + method_ + "'").c_str(), meta.error()));
   if (inputs.size() != meta->num_inputs())
     return Status(Error::InvalidArgument, "method '" + method_ + "' takes " + std::to_string(meta->num_inputs()) +
@@ -80,7 +98,7 @@ Status HostRunner::run(const std::vector<HostTensor>& inputs, std::vector<HostTe
     owned.push_back(executorch::extension::from_blob(const_cast<void*>(in.data), std::move(sizes), type));
     values.emplace_back(*owned.back());
   }
-  auto result = module_.execute(method_, values);
+  auto result = module_->execute(method_, values);
   if (!result.ok()) return Status(result.error(), error_text(("executing '" + method_ + "'").c_str(), result.error()));
   last_outputs_ = std::move(result.get());
   outputs->clear();

@@ -11,6 +11,7 @@
 #include "host_runner.h"
 #include "kv_store.h"
 #include "store_registry.h"
+#include "weights.h"
 
 namespace py = pybind11;
 using namespace offgraph_kv;
@@ -139,6 +140,16 @@ PYBIND11_MODULE(_runtime, m) {
            }),
            py::arg("path"), py::arg("method") = "forward")
       .def(
+          "new_session",
+          [](const HostRunner& r) {
+            Status s;
+            std::unique_ptr<HostRunner> session = r.new_session(&s);
+            if (!session) throw std::runtime_error(s.message());
+            return session;
+          },
+          "The method loaded again over the same Program: its own KV store, the code and weights shared.")
+      .def_property_readonly("store", &HostRunner::store, "The KV store this method owns (None without this backend).")
+      .def(
           "run",
           [](HostRunner& r, const std::vector<std::tuple<uintptr_t, std::vector<int64_t>, std::string>>& inputs) {
             std::vector<HostTensor> in;
@@ -167,6 +178,23 @@ PYBIND11_MODULE(_runtime, m) {
         "The last message the delegate failed with on this thread ('' if none since clear_last_error).");
   m.def("clear_last_error", &clear_last_error);
   m.def("stores", &live_stores, "The stores of the methods loaded in this process, oldest first.");
+  m.def("take_last_store", &take_last_store_on_this_thread,
+        "The store of the method loaded last on this thread since the previous call (None if none); forgets it.");
+  m.def(
+      "shared_weights",
+      []() {
+        py::list out;
+        for (const SharedWeightsInfo& w : shared_weights_in_use()) {
+          py::dict d;
+          d["key"] = w.key;
+          d["sessions"] = w.sessions;
+          d["weight_bytes"] = w.weight_bytes;
+          d["on_device"] = w.on_device;
+          out.append(d);
+        }
+        return out;
+      },
+      "The weights held in this process, one entry per program, with how many sessions (loaded methods) share each.");
   m.def(
       "set_options",
       [](int initial_capacity, int max_capacity, const std::string& growth_factor, int rewind_budget,

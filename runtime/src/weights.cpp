@@ -6,14 +6,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <set>
 #include <thread>
 #include <unordered_map>
 
+#include "code_digest.h"
 #include "compiled_program.h"
 #include "manifest_generated.h"
+#include "shared_cache.h"
 
 #ifdef OFFGRAPH_KV_WITH_CUDA
 #include <cuda_runtime.h>
@@ -172,7 +175,7 @@ Status read_weight_specs(const schema::Manifest* m, std::vector<WeightSpec>* out
 
 #ifdef OFFGRAPH_KV_WITH_CUDA
 // Every weight in one device allocation, filled once, freed with the weights.
-class BoundWeights::DeviceArena {
+class SharedWeights::DeviceArena {
  public:
   static std::unique_ptr<DeviceArena> allocate(size_t bytes, Status* status) {
     std::unique_ptr<DeviceArena> arena(new DeviceArena());
@@ -187,7 +190,7 @@ class BoundWeights::DeviceArena {
     return arena;
   }
   ~DeviceArena() {
-    if (base_ != nullptr) cudaFree(base_);  // the container is gone and every step has completed
+    if (base_ != nullptr) cudaFree(base_);  // every container is gone and every step has completed
   }
   Status upload(size_t offset, const void* src, size_t bytes) {
     const cudaError_t e = cudaMemcpy(static_cast<char*>(base_) + offset, src, bytes, cudaMemcpyHostToDevice);
@@ -212,11 +215,194 @@ class BoundWeights::DeviceArena {
   size_t bytes_ = 0;
 };
 #else
-class BoundWeights::DeviceArena {};
+class SharedWeights::DeviceArena {};
 #endif
 
-std::unique_ptr<BoundWeights> BoundWeights::bind(CompiledProgram& program, const std::vector<WeightSpec>& specs,
-                                                 const NamedDataMap& data, bool cuda, Status* status) {
+SharedWeights::~SharedWeights() = default;  // device_, host_copies_, mapped_: each frees its own memory
+
+void* SharedWeights::at(const std::string& name) const {
+  auto it = std::lower_bound(by_name_.begin(), by_name_.end(), name,
+                             [](const std::pair<std::string, void*>& e, const std::string& n) { return e.first < n; });
+  return it != by_name_.end() && it->first == name ? it->second : nullptr;
+}
+
+namespace {
+
+// One per process, never destroyed: a session released during static
+// destruction (a host's static Module) must still find it.
+SharedCache<SharedWeights>& weights_cache() {
+  static auto* cache = new SharedCache<SharedWeights>();
+  return *cache;
+}
+
+void put_u64(std::string* out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out->push_back(char((v >> (8 * i)) & 0xff));
+}
+void put_text(std::string* out, const std::string& text) {
+  put_u64(out, text.size());
+  out->append(text);
+}
+
+}  // namespace
+
+std::string weights_share_key(const std::string& code_key, const std::vector<WeightSpec>& specs,
+                              const std::string& place) {
+  // Length-prefixed fields: no two different lists serialise alike.
+  std::string blob;
+  put_u64(&blob, specs.size());
+  for (const WeightSpec& w : specs) {
+    put_text(&blob, w.name);
+    put_text(&blob, w.fqn);
+    put_text(&blob, w.data_key);
+    put_u64(&blob, uint64_t(uint32_t(w.dtype)));
+    put_u64(&blob, w.nbytes);
+    put_u64(&blob, w.sizes.size());
+    for (int64_t v : w.sizes) put_u64(&blob, uint64_t(v));
+    for (int64_t v : w.strides) put_u64(&blob, uint64_t(v));
+    put_u64(&blob, uint64_t(w.storage_offset));
+    put_u64(&blob, w.crc32);
+  }
+  return code_key + "|" + place + "|" + sha256_hex(blob.data(), blob.size());
+}
+
+std::vector<SharedWeightsInfo> shared_weights_in_use() {
+  std::vector<SharedWeightsInfo> out;
+  for (const auto& e : weights_cache().entries())
+    out.push_back({e.key, e.users, e.value->weight_bytes(), e.value->on_device()});
+  return out;
+}
+
+std::unique_ptr<SharedWeights> SharedWeights::build(const std::vector<const WeightSpec*>& order,
+                                                    const NamedDataMap& data, bool cuda, Status* status) {
+  std::unique_ptr<SharedWeights> shared(new SharedWeights());
+  shared->mapped_.reserve(order.size());
+  // Device layout first: one allocation for all, each weight 256-byte aligned.
+  std::vector<size_t> offsets;
+  size_t arena_bytes = 0;
+  for (const WeightSpec* w : order) {
+    offsets.push_back(arena_bytes);
+    arena_bytes += (size_t(w->nbytes) + 255) / 256 * 256;
+    shared->weight_bytes_ += w->nbytes;
+  }
+#ifdef OFFGRAPH_KV_WITH_CUDA
+  if (cuda && arena_bytes > 0) {
+    shared->device_ = SharedWeights::DeviceArena::allocate(arena_bytes, status);
+    if (!shared->device_) return nullptr;
+  }
+#else
+  if (cuda) {
+    *status = Status(Error::NotSupported, "weights: this runtime was built without CUDA");
+    return nullptr;
+  }
+#endif
+
+  // Every weight's bytes first: present, the expected size, and intact.
+  std::vector<FreeableBuffer> found;
+  found.reserve(order.size());
+  for (const WeightSpec* wp : order) {
+    const WeightSpec& w = *wp;
+    Result<FreeableBuffer> bytes = data.get_data(w.data_key.c_str());
+    if (!bytes.ok()) {
+      *status = invalid(describe(w) + ": its data '" + w.data_key + "' is not in the program's named data");
+      return nullptr;
+    }
+    if (bytes->size() != w.nbytes) {
+      *status = invalid(describe(w) + ": its data '" + w.data_key + "' holds " + std::to_string(bytes->size()) +
+                        " bytes, the compiled code expects " + std::to_string(w.nbytes));
+      return nullptr;
+    }
+    found.push_back(std::move(bytes.get()));
+  }
+  const size_t corrupt = first_corrupt(order, found);
+  if (corrupt < order.size()) {
+    *status = invalid(describe(*order[corrupt]) + ": its bytes do not match their checksum (the file is damaged)");
+    return nullptr;
+  }
+
+  for (size_t i = 0; i < order.size(); ++i) {
+    const WeightSpec& w = *order[i];
+    FreeableBuffer* bytes = &found[i];
+    void* ptr = const_cast<void*>(bytes->data());  // read-only mapping: the code never writes weights
+    if (cuda) {
+#ifdef OFFGRAPH_KV_WITH_CUDA
+      if (w.nbytes > 0) {
+        *status = shared->device_->upload(offsets[i], bytes->data(), w.nbytes);
+        if (!status->ok()) return nullptr;
+      }
+      ptr = shared->device_->at(offsets[i]);
+      shared->copied_bytes_ += w.nbytes;
+#endif
+      bytes->Free();  // on the device now: the file's pages can go
+    } else if (reinterpret_cast<uintptr_t>(ptr) % kAlignment != 0 && w.nbytes > 0) {
+      // A program loaded from an unaligned buffer: copy rather than hand
+      // the compiled code memory its vector loads may not expect.
+      Buffer copy = allocate_buffer(host_memory(), w.nbytes);
+      if (copy.data() == nullptr) {
+        *status = Status(Error::MemoryAllocationFailed, "weights: cannot copy " + describe(w));
+        return nullptr;
+      }
+      std::memcpy(copy.data(), bytes->data(), w.nbytes);
+      ptr = copy.data();
+      shared->copied_bytes_ += w.nbytes;
+      shared->host_copies_.push_back(std::move(copy));
+      bytes->Free();
+    } else {
+      shared->mapped_.push_back(std::move(*bytes));
+    }
+    shared->by_name_.emplace_back(w.name, ptr);
+  }
+#ifdef OFFGRAPH_KV_WITH_CUDA
+  if (shared->device_) {
+    *status = shared->device_->finish();
+    if (!status->ok()) return nullptr;
+  }
+#endif
+  std::sort(shared->by_name_.begin(), shared->by_name_.end());
+  if (shared->copied_bytes_ > 0 && !cuda)
+    ET_LOG(Info, "OffGraphKVBackend: %llu weight bytes copied (the program's data was not 64-byte aligned)",
+           static_cast<unsigned long long>(shared->copied_bytes_));
+  *status = Status::ok_status();
+  return shared;
+}
+
+namespace {
+
+// Where the shared bytes live, as part of the key. CUDA: the device (the
+// arena is filled from the file and owns its memory). CPU: the bytes are the
+// data map's own views. Mapped and file loaders hand every request its own
+// buffer that lives until freed, whoever loaded it, so sessions of any
+// Program of the same file can share them. A loader over a caller's buffer
+// (a program loaded from bytes) hands out the same address each time, valid
+// only while that buffer is: such views are shared only by sessions that see
+// the same buffer, so the key carries its address.
+std::string weights_place(const std::vector<const WeightSpec*>& order, const NamedDataMap& data, bool cuda) {
+#ifdef OFFGRAPH_KV_WITH_CUDA
+  if (cuda) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError();
+    return "cuda:" + std::to_string(device);
+  }
+#else
+  (void)cuda;
+#endif
+  const WeightSpec* probe = nullptr;  // the smallest weight: the cheapest to ask for twice
+  for (const WeightSpec* w : order)
+    if (w->nbytes > 0 && (probe == nullptr || w->nbytes < probe->nbytes)) probe = w;
+  if (probe == nullptr) return "cpu";
+  Result<FreeableBuffer> a = data.get_data(probe->data_key.c_str());
+  Result<FreeableBuffer> b = data.get_data(probe->data_key.c_str());
+  if (!a.ok() || !b.ok()) return "cpu";  // the build reports the missing data by name
+  if (a->data() != b->data()) return "cpu";
+  char text[32];
+  std::snprintf(text, sizeof text, "cpu@%p", a->data());
+  return text;
+}
+
+}  // namespace
+
+std::unique_ptr<BoundWeights> BoundWeights::bind(CompiledProgram& program, const std::string& code_key,
+                                                 const std::vector<WeightSpec>& specs, const NamedDataMap& data,
+                                                 bool cuda, Status* status) {
   void* lib = program.library();
   AOTInductorModelContainerHandle container = program.container();
   auto num_constants = find<GetNumConstantsFn>(lib, "AOTInductorModelContainerGetNumConstants");
@@ -282,85 +468,23 @@ std::unique_ptr<BoundWeights> BoundWeights::bind(CompiledProgram& program, const
       return nullptr;
     }
 
+  // The bytes: this process's copy if a session of the same program holds
+  // one, else read, checked and kept for the sessions to come.
   std::unique_ptr<BoundWeights> bound(new BoundWeights());
   bound->delete_tensor_ = delete_tensor;
-  bound->mapped_.reserve(order.size());
-  // Device layout first: one allocation for all, each weight 256-byte aligned.
-  std::vector<size_t> offsets;
-  size_t arena_bytes = 0;
-  for (const WeightSpec* w : order) {
-    offsets.push_back(arena_bytes);
-    arena_bytes += (size_t(w->nbytes) + 255) / 256 * 256;
-    bound->weight_bytes_ += w->nbytes;
-  }
-#ifdef OFFGRAPH_KV_WITH_CUDA
-  if (cuda && arena_bytes > 0) {
-    bound->device_ = DeviceArena::allocate(arena_bytes, status);
-    if (!bound->device_) return nullptr;
-  }
-#else
-  if (cuda) {
-    *status = Status(Error::NotSupported, "weights: this runtime was built without CUDA");
-    return nullptr;
-  }
-#endif
-
-  // Every weight's bytes first: present, the expected size, and intact.
-  std::vector<FreeableBuffer> found;
-  found.reserve(order.size());
-  for (const WeightSpec* wp : order) {
-    const WeightSpec& w = *wp;
-    Result<FreeableBuffer> bytes = data.get_data(w.data_key.c_str());
-    if (!bytes.ok()) {
-      *status = invalid(describe(w) + ": its data '" + w.data_key + "' is not in the program's named data");
-      return nullptr;
-    }
-    if (bytes->size() != w.nbytes) {
-      *status = invalid(describe(w) + ": its data '" + w.data_key + "' holds " + std::to_string(bytes->size()) +
-                        " bytes, the compiled code expects " + std::to_string(w.nbytes));
-      return nullptr;
-    }
-    found.push_back(std::move(bytes.get()));
-  }
-  const size_t corrupt = first_corrupt(order, found);
-  if (corrupt < order.size()) {
-    *status = invalid(describe(*order[corrupt]) + ": its bytes do not match their checksum (the file is damaged)");
-    return nullptr;
-  }
+  const std::string key = weights_share_key(code_key, specs, weights_place(order, data, cuda));
+  bound->shared_ = weights_cache().acquire(
+      key, [&](Status* st) { return SharedWeights::build(order, data, cuda, st); }, status);
+  if (!bound->shared_) return nullptr;
 
   std::vector<AOTInductorConstantMapEntryABI> pairs;
   const int32_t device_type = program.device_type();
-  for (size_t i = 0; i < order.size(); ++i) {
-    const WeightSpec& w = *order[i];
-    FreeableBuffer* bytes = &found[i];
-    void* ptr = const_cast<void*>(bytes->data());  // read-only mapping: the code never writes weights
-    if (cuda) {
-#ifdef OFFGRAPH_KV_WITH_CUDA
-      if (w.nbytes > 0) {
-        *status = bound->device_->upload(offsets[i], bytes->data(), w.nbytes);
-        if (!status->ok()) return nullptr;
-      }
-      ptr = bound->device_->at(offsets[i]);
-      bound->copied_bytes_ += w.nbytes;
-#endif
-      bytes->Free();  // on the device now: the file's pages can go
-    } else {
-      if (reinterpret_cast<uintptr_t>(ptr) % kAlignment != 0 && w.nbytes > 0) {
-        // A program loaded from an unaligned buffer: copy rather than hand
-        // the compiled code memory its vector loads may not expect.
-        Buffer copy = allocate_buffer(host_memory(), w.nbytes);
-        if (copy.data() == nullptr) {
-          *status = Status(Error::MemoryAllocationFailed, "weights: cannot copy " + describe(w));
-          return nullptr;
-        }
-        std::memcpy(copy.data(), bytes->data(), w.nbytes);
-        ptr = copy.data();
-        bound->copied_bytes_ += w.nbytes;
-        bound->host_copies_.push_back(std::move(copy));
-        bytes->Free();
-      } else {
-        bound->mapped_.push_back(std::move(*bytes));
-      }
+  for (const WeightSpec* wp : order) {
+    const WeightSpec& w = *wp;
+    void* ptr = bound->shared_->at(w.name);
+    if (ptr == nullptr && w.nbytes > 0) {  // same key, same list: cannot happen unless the cache is wrong
+      *status = Status(Error::Internal, "weights: the shared weights lack " + describe(w));
+      return nullptr;
     }
     AtenTensorHandle h = nullptr;
     if (from_blob(ptr, int64_t(w.sizes.size()), w.sizes.data(), w.strides.data(), w.storage_offset, w.dtype,
@@ -371,12 +495,6 @@ std::unique_ptr<BoundWeights> BoundWeights::bind(CompiledProgram& program, const
     bound->handles_.push_back(h);
     pairs.push_back({w.name.c_str(), h});
   }
-#ifdef OFFGRAPH_KV_WITH_CUDA
-  if (bound->device_) {
-    *status = bound->device_->finish();
-    if (!status->ok()) return nullptr;
-  }
-#endif
   // User-managed: the container keeps views of our memory, never copies.
   AOTIRuntimeError rc = 0;
   if (update_pairs) {
@@ -390,15 +508,12 @@ std::unique_ptr<BoundWeights> BoundWeights::bind(CompiledProgram& program, const
     *status = invalid("the compiled code refused its weights (" + program.last_error() + ")");
     return nullptr;
   }
-  if (bound->copied_bytes_ > 0 && !cuda)
-    ET_LOG(Info, "OffGraphKVBackend: %llu weight bytes copied (the program's data was not 64-byte aligned)",
-           static_cast<unsigned long long>(bound->copied_bytes_));
   *status = Status::ok_status();
   return bound;
 }
 
 BoundWeights::~BoundWeights() {
-  // Our views only; the memory goes with mapped_ / host_copies_ / device_ after.
+  // Our views only; the memory goes with the last session's reference to shared_.
   for (AtenTensorHandle h : handles_) delete_tensor_(h);
 }
 
