@@ -199,12 +199,14 @@ def test_cuda_million_row_reservation_for_an_8b_shaped_store_costs_no_device_mem
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_cuda_kernels_mixed_ring_and_flat_layers_match_oracle(pte_factory, model, dtype):
-    # 16-bit storage on CUDA attends through our Triton kernels (one op per layer:
-    # write at the length read from device memory, then attend): rings of 6 and
-    # 16 beside a flat layer, prompt chunks that straddle wraps and growths.
+def test_cuda_kernels_mixed_ring_and_flat_layers_match_oracle(model, dtype, tmp_path, monkeypatch):
+    # 16-bit storage on CUDA attends through our Triton kernels when asked (one
+    # op per layer: write at the length read from device memory, then attend):
+    # rings of 6 and 16 beside a flat layer, prompt chunks that straddle wraps and growths.
+    monkeypatch.setenv("OFFGRAPH_KV_CUDA_ATTENTION", "triton")
     layers = (LayerPolicy.ring(6), LayerPolicy.flat(), LayerPolicy.ring(16))
-    path = pte_factory(device="cuda", storage_dtype=dtype, initial_capacity=8, layers=layers, max_write=8)
+    path = tmp_path / "kernels.pte"
+    path.write_bytes(lower(model, device="cuda", storage_dtype=dtype, initial_capacity=8, layers=layers, max_write=8))
     assert b"_update_attend_partial" in path.read_bytes(), "the program does not embed the Triton kernels"
     session = Session(path)
     oracle = Oracle(model, dtype, layers=layers)
