@@ -52,6 +52,16 @@ def now_utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def drop_from_page_cache(path: str) -> None:
+    """Make the next read of ``path`` come from the disk (a cold read)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from benchmarks.machine import drop_from_page_cache
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "llama"))
 
@@ -50,15 +52,6 @@ def _rss() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("VmRSS not found")
-
-
-def _drop_from_page_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def export(out: str) -> Dict[str, object]:
@@ -116,7 +109,7 @@ def _plain_file_io(directory: Path, nbytes: int) -> Dict[str, float]:
         with open(path, "rb") as f:
             f.read()
         res["read_warm_s"].append(time.perf_counter() - t0)
-        _drop_from_page_cache(str(path))
+        drop_from_page_cache(str(path))
         t0 = time.perf_counter()
         with open(path, "rb") as f:
             f.read()
@@ -164,7 +157,7 @@ def measure_contexts(pte: str, workdir: str) -> Dict[str, object]:
         load_warm_s.append(time.perf_counter() - t0)
     for _ in range(3):
         resumed.store.reset()
-        _drop_from_page_cache(str(path))
+        drop_from_page_cache(str(path))
         t0 = time.perf_counter()
         resumed.store.load(str(path))
         load_cold_s.append(time.perf_counter() - t0)

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
+from benchmarks.machine import drop_from_page_cache
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "llama"))
 
@@ -55,17 +57,8 @@ def _rss() -> Dict[str, int]:
     return out
 
 
-def _drop_from_page_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _cold_read_seconds(path: str) -> float:
-    _drop_from_page_cache(path)
+    drop_from_page_cache(path)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.read(16 << 20):
@@ -129,7 +122,7 @@ def measure(path: str, decode_steps: int) -> Dict[str, object]:
         Runtime.get()
     cuda = torch.cuda.is_available() and os.environ.get("OFFGRAPH_KV_BENCH_DEVICE") == "cuda"
     device_used = (lambda: torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) if cuda else (lambda: 0)
-    _drop_from_page_cache(path)
+    drop_from_page_cache(path)
     before, dev_before = _rss(), device_used()
     t0 = time.perf_counter()
     method = offgraph_kv.runtime.load_method(path)
