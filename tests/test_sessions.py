@@ -343,8 +343,11 @@ def test_fifty_load_and_drop_cycles_leak_nothing(medium_pte):
     path, weight_bytes = medium_pte
     r = _child(path, "cycles", 50)
     assert r["shared_left"] == []
-    # After the first cycles warm the allocator, RSS stays flat: a weight copy
-    # kept per cycle would add 135 MB each time.
+    # After the first cycles warm the allocator, nothing per cycle stays: a weight
+    # copy kept per cycle would add 135 MB each time (6 GB over these cycles). The
+    # allocator's own drift varies with the machine: 3 MiB over 45 cycles on an
+    # idle 2-core machine, 42 MiB once under CI, so the bound is half a weight copy
+    # in all (small per-load leaks: the 200-cycle test in test_hostile_programs.py).
     growth = r["after"][-1] - r["after"][4]
     print(f"RSS after cycle 5: {r['after'][4] / 2**20:.1f} MiB, after cycle 50: {r['after'][-1] / 2**20:.1f} MiB")
-    assert growth < 16 * 2**20, [a / 2**20 for a in r["after"]]
+    assert growth < 0.5 * weight_bytes, [a / 2**20 for a in r["after"]]
