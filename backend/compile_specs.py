@@ -13,7 +13,7 @@ import torch
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.extension.llm.cache.reference_cache import LayerKind, LayerPolicy
 
-from offgraph_kv.schemas.manifest import dtype_from_name
+from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
 STEP_WIDTH = "step_width"  # "input_index:dim": which delegate input carries the step's token count
 DEVICE = "device"
@@ -25,9 +25,6 @@ GROWTH_FACTOR = "growth_factor"
 MAX_WRITE = "max_write"
 LAYERS = "layers"
 REWIND_BUDGET = "rewind_budget"  # optional: absent means 0
-
-_DTYPE_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
 
 @dataclass(frozen=True)
 class StepWidth:
@@ -87,7 +84,7 @@ class BackendSpecs:
         values = {
             STEP_WIDTH: str(self.step_width),
             DEVICE: self.device,
-            STORAGE_DTYPE: _DTYPE_SHORT[self.storage_dtype],
+            STORAGE_DTYPE: dtype_short_name(self.storage_dtype),
             INITIAL_CAPACITY: str(self.initial_capacity),
             MAX_CAPACITY: str(self.max_capacity),
             CAPACITY_BOUND: str(self.capacity_bound),

@@ -46,8 +46,9 @@ class ManifestError(ValueError):
     """A manifest that is malformed or disagrees with the program it describes."""
 
 
-def dtype_from_name(name: "str | torch.dtype") -> torch.dtype:
-    """Accept ``torch.bfloat16`` or a short name such as ``"bf16"``."""
+def dtype_from_name(name: "str | torch.dtype", what: str = "storage_dtype") -> torch.dtype:
+    """Accept ``torch.bfloat16`` or a name such as ``"bf16"`` / ``"bfloat16"``
+    (the one table of dtype names; ``what`` names the setting in errors)."""
     if isinstance(name, torch.dtype):
         dtype = name
     else:
@@ -55,17 +56,22 @@ def dtype_from_name(name: "str | torch.dtype") -> torch.dtype:
             dtype = _DTYPE_NAMES[name.lower()]
         except KeyError:
             raise ValueError(
-                f"storage_dtype {name!r} is not supported; expected one of bf16, fp16, fp32"
+                f"{what} {name!r} is not supported; expected one of bf16, fp16, fp32"
             ) from None
     if dtype not in STORAGE_DTYPES:
         raise ValueError(
-            f"storage_dtype {dtype} is not supported; expected torch.bfloat16, torch.float16 or torch.float32"
+            f"{what} {dtype} is not supported; expected torch.bfloat16, torch.float16 or torch.float32"
         )
     return dtype
 
 
 def _invert(mapping: dict) -> dict:
     return {v: k for k, v in mapping.items()}
+
+
+def dtype_short_name(dtype: torch.dtype) -> str:
+    """``"fp32"``, ``"fp16"`` or ``"bf16"``: how compile specs, sidecars and options spell a dtype."""
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype_from_name(dtype)]
 
 
 def check_growth_policy(initial_capacity: "int | None" = None, max_capacity: "int | None" = None,

@@ -22,15 +22,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
-
-DTYPES: Dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
+from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
 
@@ -53,16 +45,12 @@ class LoadedCheckpoint:
 
 
 def parse_dtype(name: "str | torch.dtype | None") -> Optional[torch.dtype]:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(set(DTYPES))}") from None
+    """The weights' dtype from its name (None: keep the checkpoint's)."""
+    return None if name is None else dtype_from_name(name, what="dtype")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return dtype_short_name(dtype)
 
 
 # --------------------------------------------------------------------------- #

@@ -32,7 +32,8 @@ from model import ModelArgs, Transformer, init_deterministic, positions  # noqa:
 from report import format_bytes  # noqa: E402
 from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
 
-_STORAGE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from offgraph_kv.schemas.manifest import dtype_from_name  # noqa: E402
+
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -136,7 +137,7 @@ def build_eager_reference(sidecar: Dict[str, object]) -> Transformer:
     """The eager model the .pte was exported from, rebuilt from the sidecar."""
     args = ModelArgs(**sidecar["model_args"])
     source = sidecar["source"]
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[sidecar["weights_dtype"]]
+    dtype = dtype_from_name(sidecar["weights_dtype"], what="weights_dtype")
     if source["format"] == "deterministic":
         return init_deterministic(Transformer(args), seed=int(source["seed"])).to(dtype).eval()
     from checkpoint import load_from_source
@@ -159,7 +160,7 @@ class EagerCheck:
             warnings.simplefilter("ignore")
             REGISTRY.install(self.key, ContiguousReferenceCache(CacheConfig(
                 n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, capacity=capacity,
-                dtype=_STORAGE_DTYPES[sidecar["storage_dtype"]], layers=args.layer_policies())))
+                dtype=dtype_from_name(sidecar["storage_dtype"]), layers=args.layer_policies())))
         self.max_abs_diff = 0.0
         self.argmax_mismatches = 0
 
