@@ -150,6 +150,27 @@ def medium_pte(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, int]:
     return path, weight_bytes
 
 
+def generate_checked(session: "Session", oracle: Oracle, chunks: Sequence[Tuple[int, int]], tol: float,
+                     steps: int = 60) -> "Tuple[list, list]":
+    """Prefill ``prompt(11)`` in the given chunks, then ``steps`` greedy decode
+    steps, each checked against the oracle; the logits and the store's tensor
+    addresses after every decode step."""
+    outs, addresses = [], [session.store.addresses()]
+    tokens = prompt(11)
+    for start, end in chunks:
+        got, want = session.step(tokens[:, start:end]), oracle.step(tokens[:, start:end])
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        outs.append(got)
+    nxt = greedy(got)
+    for _ in range(steps):
+        got, want = session.step(nxt), oracle.step(nxt)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        outs.append(got)
+        addresses.append(session.store.addresses())
+        nxt = greedy(got)
+    return outs, addresses
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1:].argmax(-1)
 

@@ -10,7 +10,7 @@ import gc
 
 import pytest
 import torch
-from conftest import MEDIUM, TOY, Oracle, Session, greedy, load_configured, lower, positions, prompt
+from conftest import MEDIUM, TOY, Oracle, Session, generate_checked, greedy, load_configured, lower, positions, prompt
 from model import Transformer, init_deterministic
 
 import offgraph_kv.runtime
@@ -124,21 +124,7 @@ def test_cuda_rewind_and_saved_context_continue_like_the_oracle(pte_factory, mod
 
 
 def _generate(session: Session, oracle: Oracle) -> "tuple[list, list]":
-    """Prefill in chunks, then 60 greedy decode steps (8 -> 128 rows), each checked against the oracle."""
-    outs, addresses = [], [session.store.addresses()]
-    tokens = prompt(11)
-    for chunk in (tokens[:, :5], tokens[:, 5:11]):
-        got, want = session.step(chunk), oracle.step(chunk)
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-        outs.append(got)
-    nxt = greedy(got)
-    for _ in range(60):
-        got, want = session.step(nxt), oracle.step(nxt)
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
-        outs.append(got)
-        addresses.append(session.store.addresses())
-        nxt = greedy(got)
-    return outs, addresses
+    return generate_checked(session, oracle, ((0, 5), (5, 11)), 1e-3)
 
 
 def test_cuda_map_growth_matches_oracle_and_copy_growth_at_fixed_addresses(pte_factory, model):

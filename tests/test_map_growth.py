@@ -3,33 +3,17 @@ store grows; nothing copied, no address changes. The same program under copy gro
 
 from __future__ import annotations
 
-from typing import List, Tuple
-
 import pytest
 import torch
-from conftest import TOY, Oracle, Session, greedy, load_configured, prompt
+from conftest import TOY, Oracle, Session, generate_checked, load_configured, prompt
 
 import offgraph_kv.runtime
 
 INITIAL = 8
 
 
-def _generate(session: Session, oracle: Oracle) -> Tuple[List[torch.Tensor], List[List[int]]]:
-    """Prefill in uneven chunks, then 60 greedy decode steps (8 -> 128 rows); every step checked against the oracle."""
-    outs, addresses = [], [session.store.addresses()]
-    tokens = prompt(11)
-    for chunk in (tokens[:, :5], tokens[:, 5:6], tokens[:, 6:11]):
-        got, want = session.step(chunk), oracle.step(chunk)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        outs.append(got)
-    nxt = greedy(got)
-    for _ in range(60):
-        got, want = session.step(nxt), oracle.step(nxt)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        outs.append(got)
-        addresses.append(session.store.addresses())
-        nxt = greedy(got)
-    return outs, addresses
+def _generate(session: Session, oracle: Oracle) -> "tuple[list, list]":
+    return generate_checked(session, oracle, ((0, 5), (5, 6), (6, 11)), 1e-4)
 
 
 def test_map_growth_generation_equals_the_oracle_and_copy_growth_bit_for_bit(pte_factory, model):

@@ -113,7 +113,6 @@ void* KVStore::data_of(size_t i) const {
 }
 
 void KVStore::choose_growth() {
-  growth_ = GrowthMode::Copy;
   if (!has_flat_) {
     growth_note_ = "no flat layers: nothing grows";
     return;
@@ -142,7 +141,6 @@ void KVStore::choose_growth() {
   for (size_t i = 0; i < tensors_.size(); ++i)
     if (tensors_[i].kind == LayerKind::Flat) mapped_base_[i] = r->base(segment_of_[i]);
   reservation_ = std::move(r);
-  growth_ = GrowthMode::Map;
 }
 
 Status KVStore::resize_flat(size_t new_capacity, size_t rows_to_keep) {
@@ -294,7 +292,7 @@ StoreMetrics KVStore::metrics() const {
   m.allocated_bytes = allocated_;
   m.peak_bytes = peak_;
   m.reserved_bytes = reservation_ ? reservation_->reserved_bytes() : 0;
-  m.growth = growth_;
+  m.growth = reservation_ ? GrowthMode::Map : GrowthMode::Copy;
   m.growth_note = growth_note_;
   m.growths = growths_;
   m.steps = steps_;

@@ -125,11 +125,10 @@ class KVStore {
   std::vector<Buffer> rings_;       // one allocation per ring tensor, made once
   Buffer flat_arena_;               // every flat tensor, in one allocation per capacity
   std::vector<size_t> flat_offset_; // byte offset of flat tensor i in the arena
-  // Map growth: one reserved range per flat tensor (its base never moves).
+  // Map growth (in effect iff reservation_ is set): one reserved range per flat tensor (its base never moves).
   std::unique_ptr<Reservation> reservation_;
   std::vector<size_t> segment_of_;  // flat tensor i -> its range in reservation_
   std::vector<void*> mapped_base_;  // flat tensor i -> that range's base
-  GrowthMode growth_ = GrowthMode::Copy;
   std::string growth_note_;
   GrowthPolicy policy_;
   size_t max_write_;
