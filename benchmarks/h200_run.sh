@@ -7,7 +7,9 @@
 #   bash benchmarks/h200_run.sh profile   # kernels and GPU-busy time per decode step (4 layers)
 #   bash benchmarks/h200_run.sh bench     # python -m benchmarks.cuda, 32 layers, to 32K tokens
 #   bash benchmarks/h200_run.sh static    # python -m benchmarks.cuda_static: baseline 2 beside offgraph-kv (~7 min)
-#   bash benchmarks/h200_run.sh long      # 100K-token generation (16 layers) + what the checks cost per step (~8 min)
+#   bash benchmarks/h200_run.sh long      # 100K-token generation (16 layers) + what the checks cost per step (~8 min;
+#                                         # reuses /tmp/long/long_run.pte: `long_run --build-only` in an earlier call)
+#   bash benchmarks/h200_run.sh sessions  # sessions, rewind, saved contexts and map growth on CUDA, + builds the long-run program
 #   bash benchmarks/h200_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
 # (carry .whl: the executorch 1.5.1 cp312 wheel and friends, see h200_setup.sh)
 set +e
@@ -58,7 +60,7 @@ case "${1:-tests}" in
   long)
     export AOTI_RUNTIME_CHECK_INPUTS=1
     timeout $((540 - SECONDS)) python3 -m benchmarks.long_run --workdir /tmp/long --out "$OUT/long_run_h200.json" \
-      ${2:+--tokens $2} > "$OUT/long.txt" 2>&1
+      --reuse ${2:+--tokens $2} > "$OUT/long.txt" 2>&1
     grep -vE "Warning|warn|generate:" "$OUT/long.txt" | tail -16
     left=$((580 - SECONDS))
     [ $left -gt 60 ] || { echo "no time left for the checks benchmark"; exit 0; }
@@ -77,6 +79,14 @@ case "${1:-tests}" in
     grep -E "^built|build failed|ctx|^\{" "$OUT/kernels.txt" | cut -c1-300
     wait
     grep -E "passed|failed" "$OUT/pytest_kernels.txt"
+    ;;
+  sessions)
+    (timeout 400 python3 -m benchmarks.long_run --workdir /tmp/long --build-only > "$OUT/long_build.txt" 2>&1
+     tail -1 "$OUT/long_build.txt" | cut -c1-200) &
+    timeout 500 python3 -u -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "session or rewind or map or rejected" \
+      --basetemp=/tmp/pt -rs --junitxml="$OUT/cuda_sessions_h200.junit.xml" > "$OUT/pytest_sessions.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/pytest_sessions.txt" | tail -5
+    wait
     ;;
   growth)
     python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1

@@ -1,7 +1,7 @@
 """A long life on the GPU: one greedy generation to 100 000 tokens with growths.
 
     python -m benchmarks.long_run --workdir /tmp/long --out benchmarks/results/long_run_h200.json [--tokens 100000]
-        [--chunk 512 --tail 1000]
+        [--chunk 512 --tail 1000] [--build-only | --reuse]
 
 Every token is a decode step by default. ``--chunk N`` spends less time: after
 the oracle-checked decode steps the context grows ``N`` tokens a step (the
@@ -66,7 +66,12 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     args.workdir.mkdir(parents=True, exist_ok=True)
     pte = args.workdir / "long_run.pte"
     result: Dict[str, object] = {"machine": describe(), "shape": shape, "tokens": args.tokens}
-    result["build"] = build(shape, device, args.max_capacity, pte)
+    if args.reuse and pte.exists():  # a program this script built earlier in the same workdir
+        result["build"] = {"path": str(pte), "bytes": pte.stat().st_size, "reused": True}
+    else:
+        result["build"] = build(shape, device, args.max_capacity, pte)
+    if args.build_only:
+        return result
     runner = Runner(pte)
     tok = torch.tensor([[1]], dtype=torch.long)
     tokens, logits_head, memory, failures = [], [], {}, []
@@ -121,8 +126,13 @@ def main(argv: "List[str] | None" = None) -> int:
     p.add_argument("--chunk", type=int, default=0, help="tokens per step between the checked head and the tail")
     p.add_argument("--tail", type=int, default=1000, help="tokens decoded one at a time at the end (with --chunk)")
     p.add_argument("--small", action="store_true")
+    p.add_argument("--reuse", action="store_true", help="use long_run.pte from --workdir if it is there")
+    p.add_argument("--build-only", action="store_true", help="export long_run.pte into --workdir and stop")
     a = p.parse_args(argv)
     r = run(a)
+    if a.build_only:
+        print(f"built {r['build']}")
+        return 0
     save(r, a.out)
     o = r["oracle"]
     print(f"{r['verdict']}: {len(r['memory']) and max(int(k) for k in r['memory'])} tokens in {r['steps']} steps, "
