@@ -35,13 +35,14 @@ from benchmarks.cuda import SHAPE, SMALL, Runner, build, device_used, save
 ORACLE_STEPS = 200
 
 
-def oracle_logits(shape: Dict[str, int], device: str, tokens: List[int]) -> torch.Tensor:
-    """The eager model over ExecuTorch's reference cache, fed ``tokens`` one at a time."""
+def oracle_logits(shape: Dict[str, int], tokens: List[int]) -> torch.Tensor:
+    """The eager model over ExecuTorch's reference cache, fed ``tokens`` one at a time, on CPU:
+    the reference cache keeps its history on the CPU (as the tests' oracle does)."""
     from executorch.extension.llm.cache.reference_cache import CacheConfig, ContiguousReferenceCache, LayerPolicy
     from executorch.extension.llm.cache.update_and_attend import REGISTRY
     from model import ModelArgs, Transformer, init_deterministic, positions
 
-    model = init_deterministic(Transformer(ModelArgs(**shape)), seed=0).to(torch.bfloat16).eval().to(device)
+    model = init_deterministic(Transformer(ModelArgs(**shape)), seed=0).to(torch.bfloat16).eval()
     a = model.args
     cache = ContiguousReferenceCache(CacheConfig(n_layers=a.n_layers, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
                                                  capacity=len(tokens) + 1, dtype=torch.bfloat16,
@@ -50,7 +51,7 @@ def oracle_logits(shape: Dict[str, int], device: str, tokens: List[int]) -> torc
     out = []
     with REGISTRY.active("long_run_oracle"), torch.no_grad():
         for i, t in enumerate(tokens):
-            out.append(model(torch.tensor([[t]], device=device), positions(i, 1).to(device))[0, -1].float().cpu())
+            out.append(model(torch.tensor([[t]]), positions(i, 1))[0, -1].float())
     return torch.stack(out)
 
 
@@ -108,9 +109,10 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     result["kv_bytes_per_token"] = kv_per_token
     del runner
     ours = torch.stack(logits_head)
-    want = oracle_logits(shape, device, tokens[:len(logits_head)])
+    want = oracle_logits(shape, tokens[:len(logits_head)])
     same = (ours.argmax(-1) == want.argmax(-1))
     result["oracle"] = {"steps": len(logits_head), "greedy_equal": int(same.sum()),
+                        "tokens": tokens[:len(logits_head)],
                         "first_difference": int((~same).nonzero()[0]) if not bool(same.all()) else None,
                         "max_abs_logit_diff": float((ours - want).abs().max())}
     result["verdict"] = "PASS" if not failures and bool(same.all()) and length == args.tokens else "FAIL"

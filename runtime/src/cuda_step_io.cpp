@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,35 @@
 namespace offgraph_kv {
 namespace {
 
+// One execution stream per device for the whole process, shared by every
+// session and program. Libraries keep per-stream state keyed by the stream:
+// cuBLAS's workspace (32 MiB on sm90) and libtorch's caching-allocator pools,
+// which the compiled code's intermediates come from. A stream per session cost
+// each extra session ~36 MB of device memory beyond its KV (H200, 2026-12-01).
+// Work of different sessions is independent, so queuing it on one stream is
+// correct; finish() then also waits for another thread's queued step.
+std::shared_ptr<CudaStream> shared_execution_stream(Status* status) {
+  static std::mutex mu;
+  static std::map<int, std::weak_ptr<CudaStream>> streams;
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) {
+    *status = Status(Error::NotSupported, cuda_error("no usable CUDA device", e));
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  if (std::shared_ptr<CudaStream> live = streams[device].lock()) return live;
+  cudaStream_t raw = nullptr;
+  e = cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    *status = Status(Error::NotSupported, cuda_error("no usable CUDA device", e));
+    return nullptr;
+  }
+  auto stream = std::make_shared<CudaStream>(raw);  // owns it from here
+  streams[device] = stream;
+  return stream;
+}
+
 class CudaStepIO final : public StepIO {
  public:
   static std::unique_ptr<CudaStepIO> create(CopyMode copies, Status* status) {
@@ -23,18 +54,15 @@ class CudaStepIO final : public StepIO {
       return nullptr;
     }
     std::unique_ptr<CudaStepIO> io(new CudaStepIO());
-    cudaError_t e = cudaStreamCreateWithFlags(&io->stream_, cudaStreamNonBlocking);
-    if (e != cudaSuccess) {
-      *status = Status(Error::NotSupported, cuda_error("no usable CUDA device", e));
-      return nullptr;
-    }
-    auto stream = std::make_shared<CudaStream>(io->stream_);  // owns it from here
+    std::shared_ptr<CudaStream> stream = shared_execution_stream(status);
+    if (!stream) return nullptr;
+    io->stream_ = stream->get();
     // KV arenas come from a pool of their own (cuda_memory.h says why).
     io->memory_ = cuda_kv_memory(stream, copies, status);
     if (!io->memory_) return nullptr;
     io->staging_ = cuda_stream_memory(stream, copies);
     // Pinned, so the per-step length upload is a true async copy.
-    e = cudaMallocHost(reinterpret_cast<void**>(&io->length_host_), sizeof(int64_t));
+    cudaError_t e = cudaMallocHost(reinterpret_cast<void**>(&io->length_host_), sizeof(int64_t));
     if (e != cudaSuccess) {
       *status = Status(Error::MemoryAllocationFailed, cuda_error("cudaMallocHost", e));
       return nullptr;
@@ -93,7 +121,7 @@ class CudaStepIO final : public StepIO {
 
  private:
   CudaStepIO() = default;
-  cudaStream_t stream_ = nullptr;  // owned by the memories' CudaStream
+  cudaStream_t stream_ = nullptr;  // the shared execution stream, kept alive by the memories
   int64_t* length_host_ = nullptr;
   std::shared_ptr<DeviceMemory> memory_;   // KV storage: its own pool
   std::shared_ptr<DeviceMemory> staging_;  // inputs and the length: the default pool
