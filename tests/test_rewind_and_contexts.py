@@ -153,6 +153,10 @@ def test_a_saved_context_from_another_program_or_damaged_is_refused_and_the_stor
     cases = {
         "truncated": (data[: len(data) // 2], "truncated or corrupt"),
         "flipped": (data[:100] + bytes([data[100] ^ 1]) + data[101:], "truncated or corrupt"),
+        "flipped in the rows": (data[:-40] + bytes([data[-40] ^ 0x80]) + data[-39:], "truncated or corrupt"),
+        "block count changed": (data[:-4] + (int.from_bytes(data[-4:], "little") + 1).to_bytes(4, "little"),
+                                "truncated or corrupt"),
+        "a byte appended": (data + b"\0", "truncated or corrupt"),
         "foreign": (b"GGUF" + data[4:], "not an offgraph-kv saved context"),
     }
     other = load_configured(_pte(pte_factory, MIXED), rewind_budget=BUDGET)
