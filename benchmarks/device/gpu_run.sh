@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Everything the H200 evidence needs, in the order of what matters most, each
 # step's output under $OUT (the device tool brings it back). Usage on the device:
-#   bash benchmarks/h200_run.sh tests     # unit tests, growth copy, attention kernels, CUDA pytest, memcheck (~9 min)
-#   bash benchmarks/h200_run.sh cuda      # unit tests, growth copy, CUDA pytest, memcheck (~6 min)
-#   bash benchmarks/h200_run.sh growth    # growth copy vs memcpy only (~2 min)
-#   bash benchmarks/h200_run.sh profile   # kernels and GPU-busy time per decode step (4 layers)
-#   bash benchmarks/h200_run.sh bench     # python -m benchmarks.cuda, 32 layers, to 32K tokens
-#   bash benchmarks/h200_run.sh static    # python -m benchmarks.cuda_static: baseline 2 beside offgraph-kv (~7 min)
-#   bash benchmarks/h200_run.sh long      # 100K-token generation (16 layers) + what the checks cost per step (~8 min;
+#   bash benchmarks/device/gpu_run.sh tests     # unit tests, growth copy, attention kernels, CUDA pytest, memcheck (~9 min)
+#   bash benchmarks/device/gpu_run.sh cuda      # unit tests, growth copy, CUDA pytest, memcheck (~6 min)
+#   bash benchmarks/device/gpu_run.sh growth    # growth copy vs memcpy only (~2 min)
+#   bash benchmarks/device/gpu_run.sh profile   # kernels and GPU-busy time per decode step (4 layers)
+#   bash benchmarks/device/gpu_run.sh bench     # python -m benchmarks.cuda, 32 layers, to 32K tokens
+#   bash benchmarks/device/gpu_run.sh static    # python -m benchmarks.cuda.static: baseline 2 beside offgraph-kv (~7 min)
+#   bash benchmarks/device/gpu_run.sh long      # 100K-token generation (16 layers) + what the checks cost per step (~8 min;
 #                                         # reuses /tmp/long/long_run.pte: `long_run --build-only` in an earlier call)
-#   bash benchmarks/h200_run.sh sessions  # sessions, rewind, saved contexts and map growth on CUDA, + builds the long-run program
-#   bash benchmarks/h200_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
-# (carry .whl: the executorch 1.5.1 cp312 wheel and friends, see h200_setup.sh)
+#   bash benchmarks/device/gpu_run.sh sessions  # sessions, rewind, saved contexts and map growth on CUDA, + builds the long-run program
+#   bash benchmarks/device/gpu_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
+# (carry .whl: the executorch 1.5.1 cp312 wheel and friends, see gpu_setup.sh)
 set +e
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-source benchmarks/h200_setup.sh > "$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
+source benchmarks/device/gpu_setup.sh > "$OUT/setup.log" 2>&1 || { tail -30 "$OUT/setup.log"; exit 1; }
 set +e
 export AOTI_RUNTIME_CHECK_INPUTS=1
 case "${1:-tests}" in
@@ -23,11 +23,11 @@ case "${1:-tests}" in
     ctest --test-dir build/cuda --output-on-failure > "$OUT/unit.txt" 2>&1; tail -3 "$OUT/unit.txt"
     grep -E "^  |Failed" "$OUT/unit.txt"
     tests="tests/test_cuda.py"
-    python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1
+    python3 -m benchmarks.cuda.growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1
     grep -E "PASS|FAIL|grid|Error" "$OUT/growth.txt" | cut -c1-230
     if [ "$1" = tests ]; then
     tests="$tests tests/test_host_runner.py"
-    python3 -m benchmarks.cuda_attention --out "$OUT/cuda_attention_h200.json" > "$OUT/attention.txt" 2>&1
+    python3 -m benchmarks.cuda.attention --out "$OUT/cuda_attention_h200.json" > "$OUT/attention.txt" 2>&1
     grep -E " 32768 | 8192 " "$OUT/attention.txt"
     fi
     rm -rf /tmp/pt
@@ -36,7 +36,7 @@ case "${1:-tests}" in
     grep -E "passed|failed" "$OUT/pytest_cuda.txt" | tail -1
     left=$((585 - SECONDS))
     [ $left -gt 60 ] || { echo "no time left for memcheck"; exit 0; }
-    timeout $left compute-sanitizer --tool memcheck python3 -m benchmarks.cuda_sanitize /tmp/pt/pte0/toy_1.pte \
+    timeout $left compute-sanitizer --tool memcheck python3 -m benchmarks.cuda.sanitize /tmp/pt/pte0/toy_1.pte \
       > "$OUT/cuda_memcheck_h200.log" 2>&1
     grep -E "^length|ERROR SUMMARY" "$OUT/cuda_memcheck_h200.log"
     ;;
@@ -53,18 +53,18 @@ case "${1:-tests}" in
     ;;
   static)
     export AOTI_RUNTIME_CHECK_INPUTS=0
-    timeout $((580 - SECONDS)) python3 -m benchmarks.cuda_static --workdir /tmp/cuda_static --out "$OUT/cuda_static_h200.json" \
+    timeout $((580 - SECONDS)) python3 -m benchmarks.cuda.static --workdir /tmp/cuda_static --out "$OUT/cuda_static_h200.json" \
       ${2:+--layers $2} > "$OUT/static.txt" 2>&1
     grep -E "PASS|FAIL|n/a|Error|baseline 2:|offgraph-kv" "$OUT/static.txt" | cut -c1-400
     ;;
   long)
     export AOTI_RUNTIME_CHECK_INPUTS=1
-    timeout $((540 - SECONDS)) python3 -m benchmarks.long_run --workdir /tmp/long --out "$OUT/long_run_h200.json" \
+    timeout $((540 - SECONDS)) python3 -m benchmarks.cuda.long_run --workdir /tmp/long --out "$OUT/long_run_h200.json" \
       --reuse ${2:+--tokens $2} > "$OUT/long.txt" 2>&1
     grep -vE "Warning|warn|generate:" "$OUT/long.txt" | tail -16
     left=$((580 - SECONDS))
     [ $left -gt 60 ] || { echo "no time left for the checks benchmark"; exit 0; }
-    timeout $left python3 -m benchmarks.checks --device cuda --pte /tmp/long/long_run.pte --rounds 3 --steps 300 \
+    timeout $left python3 -m benchmarks.cpu.checks --device cuda --pte /tmp/long/long_run.pte --rounds 3 --steps 300 \
       --out "$OUT/checks_h200.json" > "$OUT/checks.txt" 2>&1
     grep -E "SHA|decode step|Error" "$OUT/checks.txt"
     ;;
@@ -74,14 +74,14 @@ case "${1:-tests}" in
      timeout 300 python3 -m pytest -q -p no:cacheprovider -n 3 tests/test_cuda.py -k "kernels_mixed or growth" \
        --junitxml="$OUT/cuda_kernels_tests_h200.junit.xml" >> "$OUT/pytest_kernels.txt" 2>&1) &
     export AOTI_RUNTIME_CHECK_INPUTS=0
-    timeout $((570 - SECONDS)) python3 -m benchmarks.cuda_kernels --layers ${2:-16} --sweep \
+    timeout $((570 - SECONDS)) python3 -m benchmarks.cuda.kernels --layers ${2:-16} --sweep \
       --out "$OUT/cuda_kernels_h200.json" > "$OUT/kernels.txt" 2>&1
     grep -E "^built|build failed|ctx|^\{" "$OUT/kernels.txt" | cut -c1-300
     wait
     grep -E "passed|failed" "$OUT/pytest_kernels.txt"
     ;;
   sessions)
-    (timeout 400 python3 -m benchmarks.long_run --workdir /tmp/long --build-only > "$OUT/long_build.txt" 2>&1
+    (timeout 400 python3 -m benchmarks.cuda.long_run --workdir /tmp/long --build-only > "$OUT/long_build.txt" 2>&1
      tail -1 "$OUT/long_build.txt" | cut -c1-200) &
     timeout 500 python3 -u -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "session or rewind or map or rejected" \
       --basetemp=/tmp/pt -rs --junitxml="$OUT/cuda_sessions_h200.junit.xml" > "$OUT/pytest_sessions.txt" 2>&1
@@ -89,11 +89,11 @@ case "${1:-tests}" in
     wait
     ;;
   growth)
-    python3 -m benchmarks.cuda_growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1
+    python3 -m benchmarks.cuda.growth --out "$OUT/cuda_growth_h200.json" > "$OUT/growth.txt" 2>&1
     grep -E "PASS|FAIL|grid|Error" "$OUT/growth.txt" | cut -c1-230
     ;;
   profile)
-    timeout $((575 - SECONDS)) python3 -m benchmarks.cuda_profile --layers ${2:-4} --out "$OUT/cuda_profile_h200.json" \
+    timeout $((575 - SECONDS)) python3 -m benchmarks.cuda.profile --layers ${2:-4} --out "$OUT/cuda_profile_h200.json" \
       > "$OUT/profile.txt" 2>&1
     grep -vE "Warning|warn" "$OUT/profile.txt" | tail -14
     ;;

@@ -1,6 +1,6 @@
 """Measure one program in a fresh process: load RSS, decode per-step times, prefill.
 
-    python -m benchmarks.measure --kind offgraph --artifact W/offgraph_8192.pte --capacity 8192 --out r.json
+    python -m benchmarks.lib.measure --kind offgraph --artifact W/offgraph_8192.pte --capacity 8192 --out r.json
 
 One process per program keeps RSS clean: every kind imports the same modules
 before the "before load" reading, so the RSS added by load is the program's own
@@ -43,11 +43,12 @@ from executorch.runtime import Runtime  # noqa: E402
 
 import offgraph_kv.runtime as ogr  # noqa: E402
 
-from benchmarks.machine import Contention, rss_mib  # noqa: E402
-from benchmarks.step_times import growth_share, median_ms  # noqa: E402
+from benchmarks.lib.machine import Contention, rss_mib  # noqa: E402
+from benchmarks.lib.step_times import growth_share, median_ms  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples" / "llama"))
+from benchmarks.lib.paths import use_example_model  # noqa: E402
+
+use_example_model()
 from model import positions  # noqa: E402
 
 RSS_MARKS = (200, 2000)

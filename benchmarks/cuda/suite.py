@@ -21,7 +21,7 @@ Measured in the same run:
 - the same decode at 1K context with the whole 32K capacity allocated up front
   (capacity must not cost speed);
 - torch's SDPA kernels on one layer's KV in the store's layout at each context
-  (benchmarks/cuda_attention.py), and attention time per layer derived from
+  (benchmarks/cuda/attention.py), and attention time per layer derived from
   our decode times, both as a share of memcpy bandwidth;
 - growth copy (one allocation + one copy-kernel launch; also the driver's
   batched and per-tensor copies) vs plain memcpy.
@@ -41,67 +41,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-LLAMA_DIR = REPO / "examples" / "llama"
-if str(LLAMA_DIR) not in sys.path:
-    sys.path.insert(0, str(LLAMA_DIR))
-
-from benchmarks.cuda_attention import attention_rows  # noqa: E402
-from benchmarks.cuda_growth import COPY_MODES, growth_rows, memcpy_seconds  # noqa: E402
-from benchmarks.step_times import growth_share  # noqa: E402
-from benchmarks.report import rolling  # noqa: E402
-
-SHAPE = dict(dim=512, n_layers=32, n_heads=32, n_kv_heads=8, attention_head_dim=128, vocab_size=1024, hidden_dim=512)
-SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, hidden_dim=64)  # --small: a CPU dry run
-MAX_WRITE = 512
-INITIAL_CAPACITY = 256
-MIB = 2**20
-
-
-def build(shape: Dict[str, int], device: str, max_capacity: int, out: Path) -> Dict[str, object]:
-    from executorch.exir import to_edge_transform_and_lower
-    from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic
-
-    from offgraph_kv.partitioner import OffGraphKVPartitioner
-
-    t0 = time.perf_counter()
-    model = init_deterministic(Transformer(ModelArgs(**shape)), seed=0).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        ep = torch.export.export(model, example_inputs(4), dynamic_shapes=dynamic_shapes(MAX_WRITE))
-    part = OffGraphKVPartitioner(device=device, storage_dtype=torch.bfloat16, max_capacity=max_capacity,
-                                 initial_capacity=INITIAL_CAPACITY)
-    out.write_bytes(to_edge_transform_and_lower(ep, partitioner=[part]).to_executorch().buffer)
-    return {"path": str(out), "bytes": out.stat().st_size, "build_s": round(time.perf_counter() - t0, 1),
-            "params": sum(p.numel() for p in model.parameters())}
-
-
-def device_used(device: str) -> Optional[int]:
-    if device != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-class Runner:
-    """A loaded method, fed greedy tokens one step at a time."""
-
-    def __init__(self, path: Path) -> None:
-        import offgraph_kv.runtime as rt
-
-        self.method = rt.load_method(path)
-        self.store = rt.latest_store()
-        self.length = 0
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        w = tokens.shape[1]
-        pos = torch.arange(self.length, self.length + w, dtype=torch.long).unsqueeze(-1)
-        logits = self.method.execute([tokens, pos])[0]
-        self.length += w
-        return logits
-
-    def reset(self) -> None:
-        self.store.reset(False)
-        self.length = 0
+from benchmarks.cuda.attention import attention_rows
+from benchmarks.cuda.growth import COPY_MODES, growth_rows, memcpy_seconds
+from benchmarks.lib.cuda_model import INITIAL_CAPACITY, MAX_WRITE, MIB, SHAPE, SMALL, Runner, build, device_used
+from benchmarks.lib.plots import finish_plot
+from benchmarks.lib.report import rolling, save, verdict
+from benchmarks.lib.step_times import growth_share
 
 
 def generate(runner: Runner, n: int, device: str, marks: List[int]) -> Dict[str, object]:
@@ -183,19 +128,9 @@ def attention_shares(decode_ms: Dict[str, Optional[float]], kernels: List[Dict[s
     return out
 
 
-def verdict(ok: Optional[bool]) -> str:
-    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
-
-
-def save(result: Dict[str, object], out: Optional[str]) -> None:
-    """Write what is measured so far (a run cut short still leaves its numbers)."""
-    if out:
-        Path(out).write_text(json.dumps(result, indent=2))
-
-
 def run(args: argparse.Namespace) -> Dict[str, object]:
     import offgraph_kv.runtime as rt
-    from benchmarks.machine import describe
+    from benchmarks.lib.machine import describe
 
     shape = dict(SMALL if args.small else SHAPE)
     if args.layers:
@@ -316,24 +251,6 @@ def targets(r: Dict[str, object]) -> List[str]:
                      f"{row['ratio']:.2f} of one memcpy's bandwidth (>= 0.90); {row['ratio_vs_back_to_back']:.2f} of "
                      f"back-to-back memcpy; whole growth with fresh memory {row['growth_ratio']:.2f}")
     return lines
-
-
-def label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:  # noqa: ANN001
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def finish_plot(fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:  # noqa: ANN001
-    import matplotlib.pyplot as plt
-
-    label_axes(ax, xlabel, ylabel, title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def plot(result: Dict[str, object], stem: Path) -> List[str]:

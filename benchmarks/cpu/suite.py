@@ -43,10 +43,9 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from benchmarks import machine, report
+from benchmarks.lib import machine, report
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+from benchmarks.lib.paths import REPO, RESULTS
 SUFFIX = {"stock": ".pte", "static-mask": ".so", "static-prefix": ".so", "offgraph": ".pte"}
 
 
@@ -121,7 +120,7 @@ def build_all(jobs: List[tuple], workdir: Path, a: argparse.Namespace) -> tuple:
     def one(kind: str, cap: int) -> tuple:
         out = workdir / f"{kind}_{cap}{SUFFIX[kind]}"
         log = workdir / f"build_{kind}_{cap}.log"
-        cmd = [sys.executable, "-m", "benchmarks.artifacts", "--kind", kind, "--capacity", str(cap),
+        cmd = [sys.executable, "-m", "benchmarks.lib.artifacts", "--kind", kind, "--capacity", str(cap),
                "--max-write", str(a.max_write), "--workdir", str(workdir), "--out", str(out)]
         rc = _run(cmd, log, env)
         info_path = Path(str(out) + ".build.json")
@@ -180,7 +179,7 @@ def measure_all(order: List[str], builds: Dict[str, dict], workdir: Path, a: arg
             bar.set_postfix_str(f"round {rnd + 1} {key}")
             out = workdir / f"measure_{key.replace('@', '_')}_r{rnd + 1}.json"
             log = workdir / f"measure_{key.replace('@', '_')}_r{rnd + 1}.log"
-            cmd = [sys.executable, "-m", "benchmarks.measure", "--kind", b["kind"], "--artifact", b["path"],
+            cmd = [sys.executable, "-m", "benchmarks.lib.measure", "--kind", b["kind"], "--artifact", b["path"],
                    "--capacity", str(b["capacity"]), "--max-write", str(a.max_write), "--decode-to", str(a.decode_to),
                    "--window", str(a.window), "--repeats", str(a.repeats), "--passes", str(a.passes),
                    "--threads", str(a.threads), "--out", str(out)]
@@ -211,7 +210,7 @@ def measure_interleaved(builds: Dict[str, dict], workdir: Path, a: argparse.Name
     if len(og) < 2:
         return None
     out, log = workdir / "interleaved.json", workdir / "interleaved.log"
-    cmd = [sys.executable, "-m", "benchmarks.interleaved", "--threads", str(a.threads),
+    cmd = [sys.executable, "-m", "benchmarks.lib.interleaved", "--threads", str(a.threads),
            "--max-write", str(a.max_write), "--out", str(out)]
     for b in og:
         cmd += ["--artifact", f"{b['capacity']}={b['path']}"]
@@ -263,7 +262,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"offgraph-kv CPU benchmark, {started}\n  {info['cpu_model']}, {info['cores']} cores, {info['platform']}\n"
           f"  torch {info['torch']}, executorch {info['executorch']}; workdir {workdir}", flush=True)
 
-    from benchmarks import artifacts  # imports torch and the example model
+    from benchmarks.lib import artifacts  # imports torch and the example model
 
     weights = artifacts.write_weights(workdir)
     args = artifacts.model_args()
