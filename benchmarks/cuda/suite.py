@@ -128,17 +128,85 @@ def attention_shares(decode_ms: Dict[str, Optional[float]], kernels: List[Dict[s
     return out
 
 
-def run(args: argparse.Namespace) -> Dict[str, object]:
+def model_shape(small: bool, layers: Optional[int]) -> Dict[str, int]:
+    """The suite's model (or the --small toy), with ``layers`` layers where given."""
+    shape = dict(SMALL if small else SHAPE)
+    if layers:
+        shape["n_layers"] = layers
+    return {**shape, "attention_head_dim": shape.get("attention_head_dim") or shape["dim"] // shape["n_heads"]}
+
+
+def measure_generation(result: Dict[str, object], pte: Path, device: str, n: int, contexts: List[int],
+                       vocab: int) -> None:
+    """Load, generate ``n`` tokens from an empty cache, then prefill: into ``result``'s memory_after_load,
+    generation and prefill."""
+    marks = [m for m in (200, 2000, 8000, 32000) if m <= n]
+    used0 = device_used(device)
+    runner = Runner(pte)
+    result["memory_after_load"] = {"device_used_delta": None if used0 is None else device_used(device) - used0,
+                                   "kv_allocated": runner.store.metrics()["allocated_bytes"]}
+    gen: Dict[str, object] = {}
+
+    def generation() -> None:
+        gen.update(generate(runner, n, device, marks))
+
+    gen_host_us = host_us(runner, generation)
+    times, grew = gen["step_s"], gen["grew"]
+    for m in gen["memory"].values():
+        if used0 is not None and m["device_used"] is not None:
+            m["device_used_delta"] = m["device_used"] - used0
+    decode = {str(c): decode_at(times, grew, c) for c in contexts}
+    result["generation"] = {
+        "tokens": n, "decode_ms": decode, "memory": gen["memory"], "host_us_per_step": gen_host_us,
+        "final": runner.store.metrics() | {"layers": None},
+        "growth": growth_share(times, grew), "step_ms_rolling": rolling([t * 1e3 for t in times]),
+    }
+    result["prefill"] = prefill(runner, vocab)
+
+
+def measure_preallocated(pte: Path, context: int, max_capacity: int, grown_ms: Optional[float]) -> Dict[str, object]:
+    """Capacity must not cost speed: the same decode at ``context`` with all of it allocated up front.
+    Call it with no other Runner of ``pte`` alive (their stores would share the device)."""
     import offgraph_kv.runtime as rt
+
+    rt.configure(initial_capacity=max_capacity)
+    try:
+        full = Runner(pte)
+    finally:
+        rt.configure()
+    tok = torch.tensor([[1]], dtype=torch.long)
+    full_times = []
+    for i in range(context + 16):
+        t0 = time.perf_counter()
+        tok = full.step(tok)[:, -1:].argmax(-1)
+        full_times.append(time.perf_counter() - t0)
+    full_ms = decode_at(full_times, [False] * len(full_times), context)
+    return {"context": context, "grown_ms": grown_ms, "preallocated_ms": full_ms,
+            "preallocated_capacity": full.store.capacity, "ratio": full_ms / grown_ms if grown_ms else None}
+
+
+def measure_kernels(contexts: List[int], shape: Dict[str, int], decode: Dict[str, Optional[float]],
+                    kv_per_layer_token: int) -> Dict[str, object]:
+    """CUDA only: memcpy bandwidth, torch's SDPA kernels and the attention share of our decode, growth copies."""
+    mc_bytes = 1 << 30
+    memcpy_Bps = 2 * mc_bytes / memcpy_seconds(mc_bytes)
+    out: Dict[str, object] = {"memcpy_TBps": memcpy_Bps / 1e12}
+    out["attention_kernels"] = attention_rows(
+        contexts, memcpy_Bps, shape={"n_heads": shape["n_heads"], "n_kv_heads": shape["n_kv_heads"],
+                                     "head_dim": shape["attention_head_dim"]})
+    out["attention"] = attention_shares(decode, out["attention_kernels"], shape["n_layers"], kv_per_layer_token,
+                                        memcpy_Bps)
+    out["growth_copy"] = {mode: growth_rows(mode) for mode in COPY_MODES}
+    return out
+
+
+def run(args: argparse.Namespace) -> Dict[str, object]:
+    """Build the program, then measure it step by step, saving ``result`` after each step."""
     from benchmarks.lib.machine import describe
 
-    shape = dict(SMALL if args.small else SHAPE)
-    if args.layers:
-        shape["n_layers"] = args.layers
-    shape = {**shape, "attention_head_dim": shape.get("attention_head_dim") or shape["dim"] // shape["n_heads"]}
+    shape = model_shape(args.small, args.layers)
     contexts = [int(c) for c in args.contexts.split(",")]
     n = max(contexts) + 16
-    marks = [m for m in (200, 2000, 8000, 32000) if m <= n]
     max_capacity = 1 << (n - 1).bit_length()
     kv_per_layer_token = 2 * shape["n_kv_heads"] * shape["attention_head_dim"] * 2
     workdir = Path(args.workdir)
@@ -157,60 +225,15 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     print(f"  {result['build']}", flush=True)
     save(result, args.out)
 
-    used0 = device_used(args.device)
-    runner = Runner(pte)
-    result["memory_after_load"] = {"device_used_delta": None if used0 is None else device_used(args.device) - used0,
-                                   "kv_allocated": runner.store.metrics()["allocated_bytes"]}
-    gen: Dict[str, object] = {}
-
-    def generation() -> None:
-        gen.update(generate(runner, n, args.device, marks))
-
-    gen_host_us = host_us(runner, generation)
-    times, grew = gen["step_s"], gen["grew"]
-    for m in gen["memory"].values():
-        if used0 is not None and m["device_used"] is not None:
-            m["device_used_delta"] = m["device_used"] - used0
-    decode = {str(c): decode_at(times, grew, c) for c in contexts}
-    result["generation"] = {
-        "tokens": n, "decode_ms": decode, "memory": gen["memory"], "host_us_per_step": gen_host_us,
-        "final": runner.store.metrics() | {"layers": None},
-        "growth": growth_share(times, grew), "step_ms_rolling": rolling([t * 1e3 for t in times]),
-    }
-    result["prefill"] = prefill(runner, shape["vocab_size"])
+    measure_generation(result, pte, args.device, n, contexts, shape["vocab_size"])
     save(result, args.out)
-
-    # Capacity must not cost speed: the same decode at the smallest context with all of it allocated up front.
     lo = min(contexts)
-    runner = None  # release its store before the next load
-    rt.configure(initial_capacity=max_capacity)
-    try:
-        full = Runner(pte)
-    finally:
-        rt.configure()
-    tok = torch.tensor([[1]], dtype=torch.long)
-    full_times = []
-    for i in range(lo + 16):
-        t0 = time.perf_counter()
-        tok = full.step(tok)[:, -1:].argmax(-1)
-        full_times.append(time.perf_counter() - t0)
-    full_ms = decode_at(full_times, [False] * len(full_times), lo)
-    result["capacity_independence"] = {"context": lo, "grown_ms": decode[str(lo)], "preallocated_ms": full_ms,
-                                       "preallocated_capacity": full.store.capacity,
-                                       "ratio": full_ms / decode[str(lo)] if decode[str(lo)] else None}
-    full = None
+    decode = result["generation"]["decode_ms"]
+    result["capacity_independence"] = measure_preallocated(pte, lo, max_capacity, decode[str(lo)])
     save(result, args.out)
 
     if args.device == "cuda":
-        mc_bytes = 1 << 30
-        memcpy_Bps = 2 * mc_bytes / memcpy_seconds(mc_bytes)
-        result["memcpy_TBps"] = memcpy_Bps / 1e12
-        result["attention_kernels"] = attention_rows(
-            contexts, memcpy_Bps, shape={"n_heads": shape["n_heads"], "n_kv_heads": shape["n_kv_heads"],
-                                         "head_dim": shape["attention_head_dim"]})
-        result["attention"] = attention_shares(decode, result["attention_kernels"], shape["n_layers"],
-                                               kv_per_layer_token, memcpy_Bps)
-        result["growth_copy"] = {mode: growth_rows(mode) for mode in COPY_MODES}
+        result.update(measure_kernels(contexts, shape, decode, kv_per_layer_token))
     result["targets"] = targets(result)
     return result
 
