@@ -55,7 +55,8 @@ def _ints(s: str) -> List[int]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--capacities", type=_ints, default=[512, 8192],
                    help="capacities of the AOTI static baselines (and of offgraph-kv)")
     p.add_argument("--offgraph-capacities", type=_ints, default=None,

@@ -306,7 +306,8 @@ def plot(result: Dict[str, object], stem: Path) -> List[str]:
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cuda", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--small", action="store_true", help="a 2-layer toy (dry run of the script on CPU)")
     p.add_argument("--contexts", default="1024,8192,32000")
