@@ -21,6 +21,8 @@ from offgraph_kv.backend.edge_to_aten import edge_to_aten
 from offgraph_kv.backend.private_tensors import (
     PrivateTensorProgram,
     bind_private_tensors,
+    compiled_input_index,
+    length_input_index,
     private_tensor_examples,
 )
 from offgraph_kv.backend.step_width import locate
@@ -121,7 +123,7 @@ def build_manifest(
                     num_heads=s.num_kv_heads,
                     head_dim=hd,
                     storage_dtype=specs.storage_dtype,
-                    compiled_input=num_user_inputs + 2 * s.layer_id + j,
+                    compiled_input=compiled_input_index(num_user_inputs, s.layer_id, j),
                 )
             )
     return Manifest(
@@ -138,7 +140,7 @@ def build_manifest(
         compiled_code_key=code_key,
         tensors=tensors,
         # The committed length follows the K/V tensors among the compiled inputs.
-        length_input=num_user_inputs + len(tensors) if has_length_input else None,
+        length_input=length_input_index(num_user_inputs, len(sites)) if has_length_input else None,
         inputs=list(inputs),
         width_bound=width_bound or specs.max_write,
     )
@@ -228,7 +230,7 @@ class OffGraphKVBackend(BackendDetails):
         # the runtime keeps readable rows within max_capacity <= capacity_bound.
         rows = Dim.DYNAMIC
         private = private_tensor_examples(sites, _EXAMPLE_ROWS, specs.storage_dtype, device, windows, specs.max_write,
-                                          specs.rewind_budget, with_length=kernels)
+                                          specs.rewind_budget, has_length_input=wrapper.has_length_input)
         # Flat storage binds a prefix of any length; rings are bound whole, with
         # as many slots as the load-time rewind budget adds (the code reads it).
         dyn = dyn + [{1: rows} for _ in range(2 * len(sites))]

@@ -110,6 +110,18 @@ def _lowered_update_and_attend(q, k, v, position, layer_id, scale, out_dtype):  
     return write_and_attend_flat(q, k, v, k_store, v_store, scale, out_dtype)
 
 
+def compiled_input_index(num_user_inputs: int, layer: int, j: int) -> int:
+    """Where layer ``layer``'s K (``j == 0``) or V (``j == 1``) storage sits among the compiled
+    program's inputs: after the delegate's own inputs, two per layer in layer order. The one
+    place this order is written: the wrapper reads its arguments by it, the manifest records it."""
+    return num_user_inputs + 2 * layer + j
+
+
+def length_input_index(num_user_inputs: int, num_layers: int) -> int:
+    """The committed length, where the program takes it, follows every layer's K and V."""
+    return compiled_input_index(num_user_inputs, num_layers, 0)
+
+
 class PrivateTensorProgram(nn.Module):
     """The partition's program with its cache ops bound to private-tensor inputs.
 
@@ -134,9 +146,11 @@ class PrivateTensorProgram(nn.Module):
         return bool(self.windows) or self.kernels
 
     def forward(self, *args: torch.Tensor):  # noqa: ANN201
-        user, private = args[: self.num_user_inputs], args[self.num_user_inputs:]
-        stores = {i: (private[2 * i], private[2 * i + 1]) for i in range(self.num_layers)}
-        length = private[2 * self.num_layers] if self.has_length_input else None
+        n = self.num_user_inputs
+        user = args[:n]
+        stores = {i: (args[compiled_input_index(n, i, 0)], args[compiled_input_index(n, i, 1)])
+                  for i in range(self.num_layers)}
+        length = args[length_input_index(n, self.num_layers)] if self.has_length_input else None
         with _bound(stores, self.windows, length, self.kernels):
             return self.program(*user)
 
@@ -153,17 +167,18 @@ def bind_private_tensors(program: fx.GraphModule) -> List[CacheOpSite]:
 
 def private_tensor_examples(
     sites: Sequence[CacheOpSite], rows: int, dtype: torch.dtype, device: str,
-    windows: Sequence[int], max_write: int, rewind_budget: int = 0, with_length: bool = False,
+    windows: Sequence[int], max_write: int, rewind_budget: int = 0, has_length_input: bool = False,
 ) -> List[torch.Tensor]:
     """Example storage for tracing: ``[1, rows, H_kv, D]`` per flat tensor,
-    ``[1, slots, H_kv, D]`` per ring tensor, then the length when rings exist
-    (or ``with_length``: the CUDA kernels read it for every layer)."""
+    ``[1, slots, H_kv, D]`` per ring tensor, then the length where the program
+    takes one (``PrivateTensorProgram.has_length_input``: rings, or the CUDA
+    kernels, which read it for every layer)."""
     out = []
     for s in sites:
         w = windows[s.layer_id]
         n = ring_slots(w, max_write, rewind_budget) if w > 0 else rows
         out.append(torch.zeros(1, n, s.num_kv_heads, s.head_dim, dtype=dtype, device=device))
         out.append(torch.zeros(1, n, s.num_kv_heads, s.v_head_dim, dtype=dtype, device=device))
-    if with_length or any(w > 0 for w in windows):
+    if has_length_input:
         out.append(torch.zeros(1, dtype=torch.long, device=device))
     return out

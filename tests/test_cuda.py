@@ -92,7 +92,7 @@ def test_cuda_growth_copy_runs_at_memcpy_speed():
     end.synchronize()
     memcpy = start.elapsed_time(end) / 5 / 1e3
     # A gross-regression guard (a per-row or per-layer fallback is several times
-    # slower); the bandwidth itself is benchmarks/cuda_growth.py's to report.
+    # slower); the bandwidth itself is benchmarks/cuda/growth.py's to report.
     assert t["copy_device_seconds"] < 2 * memcpy, (t, memcpy)
 
 

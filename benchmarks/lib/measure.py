@@ -1,6 +1,6 @@
 """Measure one program in a fresh process: load RSS, decode per-step times, prefill.
 
-    python -m benchmarks.measure --kind offgraph --artifact W/offgraph_8192.pte --capacity 8192 --out r.json
+    python -m benchmarks.lib.measure --kind offgraph --artifact W/offgraph_8192.pte --capacity 8192 --out r.json
 
 One process per program keeps RSS clean: every kind imports the same modules
 before the "before load" reading, so the RSS added by load is the program's own
@@ -43,11 +43,12 @@ from executorch.runtime import Runtime  # noqa: E402
 
 import offgraph_kv.runtime as ogr  # noqa: E402
 
-from benchmarks.machine import Contention, rss_mib  # noqa: E402
-from benchmarks.step_times import growth_share, median_ms  # noqa: E402
+from benchmarks.lib.machine import Contention, rss_mib  # noqa: E402
+from benchmarks.lib.step_times import growth_share, median_ms  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples" / "llama"))
+from benchmarks.lib.paths import use_example_model  # noqa: E402
+
+use_example_model()
 from model import positions  # noqa: E402
 
 RSS_MARKS = (200, 2000)
@@ -113,36 +114,21 @@ def token_ids(n: int, vocab: int, seed: int = 1234) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.long)
 
 
-def measure(kind: str, path: str, capacity: int, max_write: int, decode_to: int, repeats: int,
-            window: int, vocab: int, threads: int, passes: int = 3) -> Dict[str, object]:
-    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-
-    torch.set_num_threads(threads)
-    _unsafe_reset_threadpool(threads)  # XNNPACK's pool, used by the stock program
-    torch.manual_seed(0)
-    result: Dict[str, object] = {"kind": kind, "capacity": capacity, "artifact_bytes": os.path.getsize(path),
-                                 "threads": threads}
-
-    rss0 = rss_mib()
-    t0 = time.perf_counter()
+def load(kind: str, path: str, capacity: int, max_write: int) -> Program:
     if kind == "stock":
-        prog: Program = StockProgram(path, capacity)
-    elif kind.startswith("static-"):
-        prog = StaticProgram(path, capacity, max_write)
-    else:
-        prog = OffGraphProgram(path, capacity, max_write)
-    result["load_s"] = time.perf_counter() - t0
-    rss_load = rss_mib()
-    result["rss_before_load_mib"] = rss0
-    result["rss_load_mib"] = rss_load - rss0
-    result["max_width"] = prog.max_width
-    result["metrics_after_load"] = prog.metrics()
+        return StockProgram(path, capacity)
+    if kind.startswith("static-"):
+        return StaticProgram(path, capacity, max_write)
+    return OffGraphProgram(path, capacity, max_write)
 
-    # --- decode -----------------------------------------------------------------
+
+def decode(prog: Program, n: int, vocab: int, window: int, passes: int, rss0: float,
+           rss_load: float) -> Dict[str, object]:
+    """``passes`` decode passes of ``n`` one-token steps from an empty cache: times, memory, growths, check logits."""
     # `passes` decode passes from an empty cache; memory is read in the first, and
     # the decode time at each context is the smallest of the passes' medians (noise
     # on a shared VM only ever adds time, in bursts that can cover a whole window).
-    n = min(capacity, decode_to)
+    result: Dict[str, object] = {}
     ids = token_ids(n, vocab)
     pass_times: List[List[float]] = []
     rss_trace: List[List[float]] = [[0, rss_load - rss0]]
@@ -212,8 +198,11 @@ def measure(kind: str, path: str, capacity: int, max_write: int, decode_to: int,
     # Per step: the smallest time over the passes (plots take bucket medians of it).
     result["step_ms"] = [round(min(ts) * 1e3, 4) for ts in zip(*pass_times)]
     result["check_logits"] = checks
+    return result
 
-    # --- prefill ------------------------------------------------------------------
+
+def prefill(prog: Program, vocab: int, repeats: int) -> Dict[str, object]:
+    """A ``PROMPT_TOKENS`` prompt from an empty cache, in chunks of the program's widest step, ``repeats`` times."""
     prompt = token_ids(PROMPT_TOKENS, vocab, seed=99).view(1, -1)
     chunks = []
     start = 0
@@ -221,24 +210,48 @@ def measure(kind: str, path: str, capacity: int, max_write: int, decode_to: int,
         w = min(prog.max_width, PROMPT_TOKENS - start)
         chunks.append((start, w))
         start += w
+    runs = []
+    growths = []
+    contention = Contention()
+    for _ in range(repeats):
+        prog.reset()
+        g0 = (prog.metrics() or {}).get("growths")
+        t = time.perf_counter()
+        for s, w in chunks:
+            prog.step(prompt[:, s:s + w], s)
+        runs.append(time.perf_counter() - t)
+        if g0 is not None:
+            growths.append(prog.metrics()["growths"] - g0)
+    return {
+        "tokens": PROMPT_TOKENS, "chunks": [w for _, w in chunks], "repeats": repeats,
+        "median_s": statistics.median(runs), "tokens_per_s": PROMPT_TOKENS / statistics.median(runs),
+        "all_s": runs, "growths_per_prefill": growths or None, "others_busy": contention.others_fraction(),
+    }
+
+
+def measure(kind: str, path: str, capacity: int, max_write: int, decode_to: int, repeats: int,
+            window: int, vocab: int, threads: int, passes: int = 3) -> Dict[str, object]:
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    torch.set_num_threads(threads)
+    _unsafe_reset_threadpool(threads)  # XNNPACK's pool, used by the stock program
+    torch.manual_seed(0)
+    result: Dict[str, object] = {"kind": kind, "capacity": capacity, "artifact_bytes": os.path.getsize(path),
+                                 "threads": threads}
+
+    rss0 = rss_mib()
+    t0 = time.perf_counter()
+    prog = load(kind, path, capacity, max_write)
+    result["load_s"] = time.perf_counter() - t0
+    rss_load = rss_mib()
+    result["rss_before_load_mib"] = rss0
+    result["rss_load_mib"] = rss_load - rss0
+    result["max_width"] = prog.max_width
+    result["metrics_after_load"] = prog.metrics()
+
+    result.update(decode(prog, min(capacity, decode_to), vocab, window, passes, rss0, rss_load))
     if PROMPT_TOKENS <= capacity:
-        runs = []
-        growths = []
-        contention = Contention()
-        for _ in range(repeats):
-            prog.reset()
-            g0 = (prog.metrics() or {}).get("growths")
-            t = time.perf_counter()
-            for s, w in chunks:
-                prog.step(prompt[:, s:s + w], s)
-            runs.append(time.perf_counter() - t)
-            if g0 is not None:
-                growths.append(prog.metrics()["growths"] - g0)
-        result["prefill"] = {
-            "tokens": PROMPT_TOKENS, "chunks": [w for _, w in chunks], "repeats": repeats,
-            "median_s": statistics.median(runs), "tokens_per_s": PROMPT_TOKENS / statistics.median(runs),
-            "all_s": runs, "growths_per_prefill": growths or None, "others_busy": contention.others_fraction(),
-        }
+        result["prefill"] = prefill(prog, vocab, repeats)
     result["rss_end_mib"] = rss_mib() - rss0
     result["metrics_end"] = prog.metrics()
     return result

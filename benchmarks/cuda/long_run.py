@@ -1,6 +1,6 @@
 """A long life on the GPU: one greedy generation to 100 000 tokens with growths.
 
-    python -m benchmarks.long_run --workdir /tmp/long --out benchmarks/results/long_run_h200.json [--tokens 100000]
+    python -m benchmarks.cuda.long_run --workdir /tmp/long --out benchmarks/results/long_run_h200.json [--tokens 100000]
         [--chunk 512 --tail 1000] [--build-only | --reuse]
 
 Every token is a decode step by default. ``--chunk N`` spends less time: after
@@ -10,7 +10,7 @@ pseudo-random chunk is fed instead) until ``--tail`` tokens are left, which are
 decoded one at a time again.
 
 The 16-layer variant of the CUDA suite's model (Llama-3-8B attention shapes, bf16
-weights and KV, random weights; ``benchmarks/cuda.py``), exported with
+weights and KV, random weights; ``benchmarks/cuda/suite.py``), exported with
 max_capacity 131 072 and initial capacity 256 (doubling: 9 growths to 131 072).
 Checked: no step fails; the first 200 tokens' logits against the eager model over
 ExecuTorch's reference cache, teacher-forced on the same tokens (greedy tokens
@@ -30,7 +30,8 @@ from typing import Dict, List
 
 import torch
 
-from benchmarks.cuda import SHAPE, SMALL, Runner, build, device_used, save
+from benchmarks.lib.cuda_model import SHAPE, SMALL, Runner, build, device_used
+from benchmarks.lib.report import save
 
 ORACLE_STEPS = 200
 
@@ -99,7 +100,7 @@ def recheck(path: Path, shape: Dict[str, int]) -> Dict[str, object]:
 def run(args: argparse.Namespace) -> Dict[str, object]:
     from tqdm import tqdm
 
-    from benchmarks.machine import describe
+    from benchmarks.lib.machine import describe
 
     shape = model_shape(args.small)
     device = "cpu" if args.small else "cuda"

@@ -1,8 +1,13 @@
-"""Turn the per-program measurements into targets, ratios, a table and plots."""
+"""Turn the per-program measurements into targets, ratios, a table and plots.
+
+The CPU suite's report, and the few pieces every suite writes its results with
+(``verdict``, ``save``, ``rolling``)."""
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 MIB = 2**20
@@ -273,3 +278,13 @@ def plot_decode(runs: Dict[str, dict], order: List[str], path: str, subtitle: st
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def verdict(ok: Optional[bool]) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def save(result: Dict[str, object], out: Optional[str]) -> None:
+    """Write what is measured so far (a run cut short still leaves its numbers)."""
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2))

@@ -1,8 +1,8 @@
 """Where a CUDA decode step's time goes: kernels per step and GPU-busy time vs wall time.
 
-    python -m benchmarks.cuda_profile --layers 4 --out results/cuda_profile_h200.json
+    python -m benchmarks.cuda.profile --layers 4 --out results/cuda_profile_h200.json
 
-Builds the H200 suite's model (benchmarks/cuda.py) with fewer layers, decodes
+Builds the H200 suite's model (benchmarks/cuda/suite.py) with fewer layers, decodes
 to ``--context`` tokens, then profiles ``--steps`` decode steps with CUPTI
 (torch.profiler sees every kernel of the process, whoever launches it: here
 the AOTI code inside the ExecuTorch delegate). A step whose GPU-busy time is
@@ -24,7 +24,7 @@ import torch
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    from benchmarks.cuda import SHAPE, Runner, build
+    from benchmarks.lib.cuda_model import SHAPE, Runner, build
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -57,7 +57,7 @@ def main(argv: "list[str] | None" = None) -> int:
     wall_ms = statistics.median(walls) * 1e3
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.cuda_profile " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.cuda.profile " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(), "model": shape, "context": a.context, "steps": a.steps,
         "wall_ms_per_step": wall_ms, "kernels_per_step": len(kernels) / a.steps,
         "kernels_per_layer": len(kernels) / a.steps / a.layers,

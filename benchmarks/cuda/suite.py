@@ -21,7 +21,7 @@ Measured in the same run:
 - the same decode at 1K context with the whole 32K capacity allocated up front
   (capacity must not cost speed);
 - torch's SDPA kernels on one layer's KV in the store's layout at each context
-  (benchmarks/cuda_attention.py), and attention time per layer derived from
+  (benchmarks/cuda/attention.py), and attention time per layer derived from
   our decode times, both as a share of memcpy bandwidth;
 - growth copy (one allocation + one copy-kernel launch; also the driver's
   batched and per-tensor copies) vs plain memcpy.
@@ -41,67 +41,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-LLAMA_DIR = REPO / "examples" / "llama"
-if str(LLAMA_DIR) not in sys.path:
-    sys.path.insert(0, str(LLAMA_DIR))
-
-from benchmarks.cuda_attention import attention_rows  # noqa: E402
-from benchmarks.cuda_growth import COPY_MODES, growth_rows, memcpy_seconds  # noqa: E402
-from benchmarks.step_times import growth_share  # noqa: E402
-from benchmarks.report import rolling  # noqa: E402
-
-SHAPE = dict(dim=512, n_layers=32, n_heads=32, n_kv_heads=8, attention_head_dim=128, vocab_size=1024, hidden_dim=512)
-SMALL = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, hidden_dim=64)  # --small: a CPU dry run
-MAX_WRITE = 512
-INITIAL_CAPACITY = 256
-MIB = 2**20
-
-
-def build(shape: Dict[str, int], device: str, max_capacity: int, out: Path) -> Dict[str, object]:
-    from executorch.exir import to_edge_transform_and_lower
-    from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic
-
-    from offgraph_kv.partitioner import OffGraphKVPartitioner
-
-    t0 = time.perf_counter()
-    model = init_deterministic(Transformer(ModelArgs(**shape)), seed=0).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        ep = torch.export.export(model, example_inputs(4), dynamic_shapes=dynamic_shapes(MAX_WRITE))
-    part = OffGraphKVPartitioner(device=device, storage_dtype=torch.bfloat16, max_capacity=max_capacity,
-                                 initial_capacity=INITIAL_CAPACITY)
-    out.write_bytes(to_edge_transform_and_lower(ep, partitioner=[part]).to_executorch().buffer)
-    return {"path": str(out), "bytes": out.stat().st_size, "build_s": round(time.perf_counter() - t0, 1),
-            "params": sum(p.numel() for p in model.parameters())}
-
-
-def device_used(device: str) -> Optional[int]:
-    if device != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-class Runner:
-    """A loaded method, fed greedy tokens one step at a time."""
-
-    def __init__(self, path: Path) -> None:
-        import offgraph_kv.runtime as rt
-
-        self.method = rt.load_method(path)
-        self.store = rt.latest_store()
-        self.length = 0
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        w = tokens.shape[1]
-        pos = torch.arange(self.length, self.length + w, dtype=torch.long).unsqueeze(-1)
-        logits = self.method.execute([tokens, pos])[0]
-        self.length += w
-        return logits
-
-    def reset(self) -> None:
-        self.store.reset(False)
-        self.length = 0
+from benchmarks.cuda.attention import attention_rows
+from benchmarks.cuda.growth import COPY_MODES, growth_rows, memcpy_seconds
+from benchmarks.lib.cuda_model import INITIAL_CAPACITY, MAX_WRITE, MIB, SHAPE, SMALL, Runner, build, device_used
+from benchmarks.lib.plots import finish_plot
+from benchmarks.lib.report import rolling, save, verdict
+from benchmarks.lib.step_times import growth_share
 
 
 def generate(runner: Runner, n: int, device: str, marks: List[int]) -> Dict[str, object]:
@@ -183,27 +128,85 @@ def attention_shares(decode_ms: Dict[str, Optional[float]], kernels: List[Dict[s
     return out
 
 
-def verdict(ok: Optional[bool]) -> str:
-    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+def model_shape(small: bool, layers: Optional[int]) -> Dict[str, int]:
+    """The suite's model (or the --small toy), with ``layers`` layers where given."""
+    shape = dict(SMALL if small else SHAPE)
+    if layers:
+        shape["n_layers"] = layers
+    return {**shape, "attention_head_dim": shape.get("attention_head_dim") or shape["dim"] // shape["n_heads"]}
 
 
-def save(result: Dict[str, object], out: Optional[str]) -> None:
-    """Write what is measured so far (a run cut short still leaves its numbers)."""
-    if out:
-        Path(out).write_text(json.dumps(result, indent=2))
+def measure_generation(result: Dict[str, object], pte: Path, device: str, n: int, contexts: List[int],
+                       vocab: int) -> None:
+    """Load, generate ``n`` tokens from an empty cache, then prefill: into ``result``'s memory_after_load,
+    generation and prefill."""
+    marks = [m for m in (200, 2000, 8000, 32000) if m <= n]
+    used0 = device_used(device)
+    runner = Runner(pte)
+    result["memory_after_load"] = {"device_used_delta": None if used0 is None else device_used(device) - used0,
+                                   "kv_allocated": runner.store.metrics()["allocated_bytes"]}
+    gen: Dict[str, object] = {}
+
+    def generation() -> None:
+        gen.update(generate(runner, n, device, marks))
+
+    gen_host_us = host_us(runner, generation)
+    times, grew = gen["step_s"], gen["grew"]
+    for m in gen["memory"].values():
+        if used0 is not None and m["device_used"] is not None:
+            m["device_used_delta"] = m["device_used"] - used0
+    decode = {str(c): decode_at(times, grew, c) for c in contexts}
+    result["generation"] = {
+        "tokens": n, "decode_ms": decode, "memory": gen["memory"], "host_us_per_step": gen_host_us,
+        "final": runner.store.metrics() | {"layers": None},
+        "growth": growth_share(times, grew), "step_ms_rolling": rolling([t * 1e3 for t in times]),
+    }
+    result["prefill"] = prefill(runner, vocab)
+
+
+def measure_preallocated(pte: Path, context: int, max_capacity: int, grown_ms: Optional[float]) -> Dict[str, object]:
+    """Capacity must not cost speed: the same decode at ``context`` with all of it allocated up front.
+    Call it with no other Runner of ``pte`` alive (their stores would share the device)."""
+    import offgraph_kv.runtime as rt
+
+    rt.configure(initial_capacity=max_capacity)
+    try:
+        full = Runner(pte)
+    finally:
+        rt.configure()
+    tok = torch.tensor([[1]], dtype=torch.long)
+    full_times = []
+    for i in range(context + 16):
+        t0 = time.perf_counter()
+        tok = full.step(tok)[:, -1:].argmax(-1)
+        full_times.append(time.perf_counter() - t0)
+    full_ms = decode_at(full_times, [False] * len(full_times), context)
+    return {"context": context, "grown_ms": grown_ms, "preallocated_ms": full_ms,
+            "preallocated_capacity": full.store.capacity, "ratio": full_ms / grown_ms if grown_ms else None}
+
+
+def measure_kernels(contexts: List[int], shape: Dict[str, int], decode: Dict[str, Optional[float]],
+                    kv_per_layer_token: int) -> Dict[str, object]:
+    """CUDA only: memcpy bandwidth, torch's SDPA kernels and the attention share of our decode, growth copies."""
+    mc_bytes = 1 << 30
+    memcpy_Bps = 2 * mc_bytes / memcpy_seconds(mc_bytes)
+    out: Dict[str, object] = {"memcpy_TBps": memcpy_Bps / 1e12}
+    out["attention_kernels"] = attention_rows(
+        contexts, memcpy_Bps, shape={"n_heads": shape["n_heads"], "n_kv_heads": shape["n_kv_heads"],
+                                     "head_dim": shape["attention_head_dim"]})
+    out["attention"] = attention_shares(decode, out["attention_kernels"], shape["n_layers"], kv_per_layer_token,
+                                        memcpy_Bps)
+    out["growth_copy"] = {mode: growth_rows(mode) for mode in COPY_MODES}
+    return out
 
 
 def run(args: argparse.Namespace) -> Dict[str, object]:
-    import offgraph_kv.runtime as rt
-    from benchmarks.machine import describe
+    """Build the program, then measure it step by step, saving ``result`` after each step."""
+    from benchmarks.lib.machine import describe
 
-    shape = dict(SMALL if args.small else SHAPE)
-    if args.layers:
-        shape["n_layers"] = args.layers
-    shape = {**shape, "attention_head_dim": shape.get("attention_head_dim") or shape["dim"] // shape["n_heads"]}
+    shape = model_shape(args.small, args.layers)
     contexts = [int(c) for c in args.contexts.split(",")]
     n = max(contexts) + 16
-    marks = [m for m in (200, 2000, 8000, 32000) if m <= n]
     max_capacity = 1 << (n - 1).bit_length()
     kv_per_layer_token = 2 * shape["n_kv_heads"] * shape["attention_head_dim"] * 2
     workdir = Path(args.workdir)
@@ -222,60 +225,15 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     print(f"  {result['build']}", flush=True)
     save(result, args.out)
 
-    used0 = device_used(args.device)
-    runner = Runner(pte)
-    result["memory_after_load"] = {"device_used_delta": None if used0 is None else device_used(args.device) - used0,
-                                   "kv_allocated": runner.store.metrics()["allocated_bytes"]}
-    gen: Dict[str, object] = {}
-
-    def generation() -> None:
-        gen.update(generate(runner, n, args.device, marks))
-
-    gen_host_us = host_us(runner, generation)
-    times, grew = gen["step_s"], gen["grew"]
-    for m in gen["memory"].values():
-        if used0 is not None and m["device_used"] is not None:
-            m["device_used_delta"] = m["device_used"] - used0
-    decode = {str(c): decode_at(times, grew, c) for c in contexts}
-    result["generation"] = {
-        "tokens": n, "decode_ms": decode, "memory": gen["memory"], "host_us_per_step": gen_host_us,
-        "final": runner.store.metrics() | {"layers": None},
-        "growth": growth_share(times, grew), "step_ms_rolling": rolling([t * 1e3 for t in times]),
-    }
-    result["prefill"] = prefill(runner, shape["vocab_size"])
+    measure_generation(result, pte, args.device, n, contexts, shape["vocab_size"])
     save(result, args.out)
-
-    # Capacity must not cost speed: the same decode at the smallest context with all of it allocated up front.
     lo = min(contexts)
-    runner = None  # release its store before the next load
-    rt.configure(initial_capacity=max_capacity)
-    try:
-        full = Runner(pte)
-    finally:
-        rt.configure()
-    tok = torch.tensor([[1]], dtype=torch.long)
-    full_times = []
-    for i in range(lo + 16):
-        t0 = time.perf_counter()
-        tok = full.step(tok)[:, -1:].argmax(-1)
-        full_times.append(time.perf_counter() - t0)
-    full_ms = decode_at(full_times, [False] * len(full_times), lo)
-    result["capacity_independence"] = {"context": lo, "grown_ms": decode[str(lo)], "preallocated_ms": full_ms,
-                                       "preallocated_capacity": full.store.capacity,
-                                       "ratio": full_ms / decode[str(lo)] if decode[str(lo)] else None}
-    full = None
+    decode = result["generation"]["decode_ms"]
+    result["capacity_independence"] = measure_preallocated(pte, lo, max_capacity, decode[str(lo)])
     save(result, args.out)
 
     if args.device == "cuda":
-        mc_bytes = 1 << 30
-        memcpy_Bps = 2 * mc_bytes / memcpy_seconds(mc_bytes)
-        result["memcpy_TBps"] = memcpy_Bps / 1e12
-        result["attention_kernels"] = attention_rows(
-            contexts, memcpy_Bps, shape={"n_heads": shape["n_heads"], "n_kv_heads": shape["n_kv_heads"],
-                                         "head_dim": shape["attention_head_dim"]})
-        result["attention"] = attention_shares(decode, result["attention_kernels"], shape["n_layers"],
-                                               kv_per_layer_token, memcpy_Bps)
-        result["growth_copy"] = {mode: growth_rows(mode) for mode in COPY_MODES}
+        result.update(measure_kernels(contexts, shape, decode, kv_per_layer_token))
     result["targets"] = targets(result)
     return result
 
@@ -318,24 +276,6 @@ def targets(r: Dict[str, object]) -> List[str]:
     return lines
 
 
-def label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:  # noqa: ANN001
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def finish_plot(fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:  # noqa: ANN001
-    import matplotlib.pyplot as plt
-
-    label_axes(ax, xlabel, ylabel, title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def plot(result: Dict[str, object], stem: Path) -> List[str]:
     import matplotlib
 
@@ -366,7 +306,8 @@ def plot(result: Dict[str, object], stem: Path) -> List[str]:
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cuda", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--small", action="store_true", help="a 2-layer toy (dry run of the script on CPU)")
     p.add_argument("--contexts", default="1024,8192,32000")

@@ -2,13 +2,13 @@
 buffers of the full capacity, through the same AOTInductor path, side by side
 with offgraph-kv in one run.
 
-    python -m benchmarks.cuda_static --layers 16 --out benchmarks/results/cuda_static_h200.json
+    python -m benchmarks.cuda.static --layers 16 --out benchmarks/results/cuda_static_h200.json
 
-Both programs come from the same weights (``benchmarks.cuda.SHAPE``, bf16):
+Both programs come from the same weights (``benchmarks.lib.cuda_model.SHAPE``, bf16):
 
 - **offgraph-kv**: lowered with ``OffGraphKVPartitioner(device="cuda")``, run
   through ExecuTorch (``offgraph_kv.runtime.load_method``);
-- **baseline 2, static-mask**: ``benchmarks/static_cache.py`` with capacity
+- **baseline 2, static-mask**: ``benchmarks/lib/static_cache.py`` with capacity
   ``--capacity`` (K/V buffers ``[1, C, H_kv, D]`` written with ``index_copy_``,
   attention over the whole capacity under a causal mask, GQA folded onto the
   query axis so the masked SDPA stays on a fused kernel, cuDNN on the H200,
@@ -23,7 +23,7 @@ prefill chunks; the static cache needs no filling: its cost does not depend on
 what the rows hold), prefill tokens/s for a 512-token prompt, and the
 attention kernels' own time inside one decode step at the largest context
 (CUPTI), as a share of memcpy bandwidth, beside torch's best SDPA kernel timed
-alone on the same layout in this run (``benchmarks/cuda_attention.py``).
+alone on the same layout in this run (``benchmarks/cuda/attention.py``).
 
 Targets (printed PASS/FAIL, not asserted): offgraph-kv decode <= 1.05 x
 baseline 2 at each context; decode attention inside the step >= torch's best
@@ -46,7 +46,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from benchmarks.cuda import MAX_WRITE, SHAPE, SMALL, Runner, build, device_used, finish_plot, label_axes, save, verdict
+from benchmarks.lib.cuda_model import MAX_WRITE, SHAPE, SMALL, Runner, build, device_used
+from benchmarks.lib.plots import finish_plot, label_axes
+from benchmarks.lib.report import save, verdict
 
 # Library attention kernels (flash, cutlass fmha, cuDNN); inductor's own triton
 # kernels that carry an SDPA op in their fused name are preparation, not attention.
@@ -58,7 +60,7 @@ def build_static(shape: Dict[str, int], capacity: int, out: Path, device: str) -
     """Export and AOT-compile baseline 2 (run in a process started with ``symbolic_compile_env``)."""
     from model import ModelArgs, Transformer, example_inputs, init_deterministic
 
-    from benchmarks.static_cache import static_cache_model
+    from benchmarks.lib.static_cache import static_cache_model
 
     t0 = time.perf_counter()
     model = init_deterministic(Transformer(ModelArgs(**shape)), seed=0).to(torch.bfloat16).eval()
@@ -82,7 +84,7 @@ def build_static(shape: Dict[str, int], capacity: int, out: Path, device: str) -
 def start_static_build(shape: Dict[str, int], capacity: int, out: Path, device: str) -> subprocess.Popen:
     from offgraph_kv.backend.aoti_compile import symbolic_compile_env
 
-    cmd = [sys.executable, "-m", "benchmarks.cuda_static", "--build-static", str(out), "--device", device,
+    cmd = [sys.executable, "-m", "benchmarks.cuda.static", "--build-static", str(out), "--device", device,
            "--shape", json.dumps(shape), "--capacity", str(capacity)]
     with open(str(out) + ".log", "w") as log:  # the child keeps its own copy of the handle
         return subprocess.Popen(cmd, env=symbolic_compile_env(), stdout=log, stderr=subprocess.STDOUT)
@@ -238,9 +240,9 @@ def targets(r: Dict[str, object]) -> List[str]:
 
 
 def run(a: argparse.Namespace) -> Dict[str, object]:
-    from benchmarks.cuda_attention import attention_rows, best_share
-    from benchmarks.cuda_growth import memcpy_seconds
-    from benchmarks.machine import describe
+    from benchmarks.cuda.attention import attention_rows, best_share
+    from benchmarks.cuda.growth import memcpy_seconds
+    from benchmarks.lib.machine import describe
 
     shape = dict(SMALL if a.small else SHAPE)
     shape["n_layers"] = a.layers or shape["n_layers"]
@@ -256,7 +258,7 @@ def run(a: argparse.Namespace) -> Dict[str, object]:
     pte, so = work / "offgraph_cuda.pte", work / f"static_mask_{capacity}.so"
     result: Dict[str, object] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.cuda_static " + " ".join(sys.argv[1:]),
+        "command": "python -m benchmarks.cuda.static " + " ".join(sys.argv[1:]),
         "machine": describe(), "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "torch": torch.__version__,
         "model": {**shape, "weights_dtype": "bf16", "kv_storage_dtype": "bf16",

@@ -1,7 +1,7 @@
 """What the runtime's safety checks cost: the code digest at load, AOTInductor's
 per-run input checks at every step.
 
-    python -m benchmarks.checks --out benchmarks/results/checks_cpu.json [--pte P.pte] [--device cuda]
+    python -m benchmarks.cpu.checks --out benchmarks/results/checks_cpu.json [--pte P.pte] [--device cuda]
 
 1. **Integrity at load.** The runtime's own SHA-256 (``_bench.sha256_seconds``,
    the function the load runs over the code and its compiled interface) timed
@@ -26,8 +26,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+from benchmarks.lib.paths import LLAMA_DIR, REPO, RESULTS, use_example_model
 
 _CHILD = r"""
 import sys, time, statistics, torch
@@ -70,7 +69,7 @@ def digest_cost() -> Dict[str, object]:
 
 
 def export_toy(path: Path) -> None:
-    sys.path.insert(0, str(REPO / "examples" / "llama"))
+    use_example_model()
     import torch
     from executorch.exir import to_edge_transform_and_lower
     from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic
@@ -85,7 +84,7 @@ def export_toy(path: Path) -> None:
 
 
 def step_cost(pte: Path, device: str, rounds: int, steps: int) -> Dict[str, object]:
-    code = _CHILD % {"examples": str(REPO / "examples" / "llama")}
+    code = _CHILD % {"examples": str(LLAMA_DIR)}
     runs: Dict[str, List[float]] = {"on": [], "off": []}
     for _ in range(rounds):
         for name, flag in (("on", "1"), ("off", "0")):
@@ -109,7 +108,7 @@ def main(argv: "List[str] | None" = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     a = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from benchmarks.machine import describe, now_utc
+    from benchmarks.lib.machine import describe, now_utc
 
     result: Dict[str, object] = {"date": now_utc(), "machine": describe()}
     result["digest"] = digest_cost()

@@ -1,6 +1,6 @@
 """Growth-copy bandwidth of the CUDA store against a plain device-to-device copy, in one run.
 
-    python -m benchmarks.cuda_growth --out results/cuda_growth.json
+    python -m benchmarks.cuda.growth --out results/cuda_growth.json
 
 A growth is one stream-ordered allocation for every flat tensor (the arena),
 one copy per tensor of its committed prefix (sequence-major layout: each is
@@ -32,7 +32,7 @@ from typing import Dict, List
 
 import torch
 
-# Benchmark hooks: build with -C cmake.define.OFFGRAPH_KV_BENCHMARKS=ON (h200_setup.sh does).
+# Benchmark hooks: build with -C cmake.define.OFFGRAPH_KV_BENCHMARKS=ON (benchmarks/device/gpu_setup.sh does).
 from offgraph_kv.runtime import _bench
 
 # 32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of KV per token.
@@ -136,7 +136,7 @@ def main(argv: "list[str] | None" = None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
-        "command": f"python -m benchmarks.cuda_growth --out {args.out}",
+        "command": f"python -m benchmarks.cuda.growth --out {args.out}",
         "shape": SHAPE,
         **{mode: growth_rows(mode) for mode in COPY_MODES},
         # The same growths into memory the pool already holds: what fresh pages cost the copy.

@@ -1,6 +1,6 @@
 """Our Triton update-and-attend kernels beside today's torch path, in one run (H200).
 
-    python -m benchmarks.cuda_kernels --layers 16 --out benchmarks/results/cuda_kernels_h200.json
+    python -m benchmarks.cuda.kernels --layers 16 --out benchmarks/results/cuda_kernels_h200.json
 
 Two parts:
 
@@ -11,7 +11,7 @@ Two parts:
    CUDA-graph replay (GPU time, no launch overhead), as a share of device
    memcpy bandwidth over the K/V bytes read; beside them torch's cuDNN and
    flash SDPA on the same data, timed the same way.
-2. Whole decode step: the 16-layer model of ``benchmarks/cuda.py`` (dim 512,
+2. Whole decode step: the 16-layer model of ``benchmarks/cuda/suite.py`` (dim 512,
    Llama-3-8B attention shapes, bf16, random weights) lowered twice, once with
    today's torch attention (``OFFGRAPH_KV_CUDA_ATTENTION=torch`` at export) and
    once with our kernels, loaded side by side; decode ms/token at 1K / 8K /
@@ -166,7 +166,7 @@ def tuning_sweep(memcpy_Bps: float, contexts: List[int]) -> List[Dict[str, objec
 
 
 def _build(shape: Dict[str, int], capacity: int, out: Path) -> Dict[str, object]:
-    from benchmarks.cuda import build
+    from benchmarks.lib.cuda_model import build
 
     return build(shape, "cuda", capacity, out)
 
@@ -190,7 +190,7 @@ def step_profile(step: Callable[[], None], steps: int, layers: int) -> Dict[str,
 
 def decode_side_by_side(ptes: Dict[str, Path], contexts: List[int], steps: int, vocab: int,
                         layers: int) -> Dict[str, object]:
-    from benchmarks.cuda import MAX_WRITE, Runner
+    from benchmarks.lib.cuda_model import MAX_WRITE, Runner
 
     runners = {name: Runner(p) for name, p in ptes.items()}
     toks = {name: torch.tensor([[1]], dtype=torch.long) for name in ptes}
@@ -238,7 +238,7 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--out", required=False)
     a = p.parse_args(argv)
     os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "0")
-    from benchmarks.cuda import SHAPE
+    from benchmarks.lib.cuda_model import SHAPE
 
     shape = dict(SHAPE, n_layers=a.layers)
     capacity = 1 << 15
@@ -246,11 +246,11 @@ def main(argv: "list[str] | None" = None) -> int:
         print(json.dumps(_build(shape, capacity, Path(a.build_only))))
         return 0
 
-    from benchmarks.cuda_growth import memcpy_seconds
+    from benchmarks.cuda.growth import memcpy_seconds
 
     result: Dict[str, object] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.cuda_kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.cuda.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
     }
     import triton
@@ -268,7 +268,7 @@ def main(argv: "list[str] | None" = None) -> int:
     if not a.skip_decode:
         # Both programs compile at once (16 cores): today's path in a child with the switch set.
         env = dict(os.environ, OFFGRAPH_KV_CUDA_ATTENTION="torch")
-        cmd = [sys.executable, "-m", "benchmarks.cuda_kernels", "--layers", str(a.layers),
+        cmd = [sys.executable, "-m", "benchmarks.cuda.kernels", "--layers", str(a.layers),
                "--build-only", str(ptes["torch"])]
         child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         t0 = time.perf_counter()

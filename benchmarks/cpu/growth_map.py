@@ -1,6 +1,6 @@
 """Map growth against copy growth, side by side in one run: on the CPU, and on CUDA where there is a GPU.
 
-    python -m benchmarks.growth_map --out benchmarks/results/growth_map_cpu.json [--steps] [--device cpu|cuda|all]
+    python -m benchmarks.cpu.growth_map --out benchmarks/results/growth_map_cpu.json [--steps] [--device cpu|cuda|all]
 
 Copy growth allocates a new arena for every flat tensor, copies each tensor's
 committed rows into it and releases the old one. Map growth reserves address
@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-# Benchmark hooks: build with -C cmake.define.OFFGRAPH_KV_BENCHMARKS=ON (h200_setup.sh does).
+# Benchmark hooks: build with -C cmake.define.OFFGRAPH_KV_BENCHMARKS=ON (benchmarks/device/gpu_setup.sh does).
 from offgraph_kv.runtime import _bench
 
 # 32 layers, 8 KV heads, head dim 128, bf16: 128 KiB of KV per token (Llama-3-8B).
@@ -118,8 +118,8 @@ def step_rows(decode_to: int, initial: int, workdir: Path) -> Dict[str, object]:
     import offgraph_kv.runtime as ogr
     from executorch.runtime import Runtime
 
-    from benchmarks.artifacts import MODEL_SHAPE, build_offgraph, model_args, write_weights
-    from benchmarks.step_times import growth_share
+    from benchmarks.lib.artifacts import MODEL_SHAPE, build_offgraph, model_args, write_weights
+    from benchmarks.lib.step_times import growth_share
     from model import positions
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -208,7 +208,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(), "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if "cuda" in devices else None,
-        "command": "python -m benchmarks.growth_map " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python -m benchmarks.cpu.growth_map " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
         "shape": SHAPE, "growth": rows, "map_over_copy": _compare(rows),
     }
     # What reserving 1M rows of the 8B-shaped store costs (CUDA: device memory, by cudaMemGetInfo).

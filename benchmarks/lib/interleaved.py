@@ -1,6 +1,6 @@
 """offgraph-kv programs that differ only in max_capacity, decoded side by side in one process.
 
-    python -m benchmarks.interleaved --artifact 512=W/offgraph_512.pte --artifact 32768=W/offgraph_32768.pte \
+    python -m benchmarks.lib.interleaved --artifact 512=W/offgraph_512.pte --artifact 32768=W/offgraph_32768.pte \
         --contexts 200,2000 --out r.json
 
 Programs measured one after another, each in its own process (``measure.py``),
@@ -31,7 +31,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from benchmarks.measure import OffGraphProgram, token_ids  # noqa: E402
+from benchmarks.lib.measure import OffGraphProgram, token_ids  # noqa: E402
 
 
 def fill(prog: OffGraphProgram, context: int, vocab: int) -> None:

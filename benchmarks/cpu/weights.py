@@ -12,9 +12,9 @@ the .pte's pages are dropped from the page cache (``posix_fadvise DONTNEED``
 on that one file), so "load + first step" includes reading the file; reading
 the file cold with plain ``read`` is timed as the floor.
 
-    python -m benchmarks.weights --shapes small,1b --out benchmarks/results/weights_cpu.json
-    python -m benchmarks.weights --device cuda --shapes 1b --variants outside   # on the H200
-    python -m benchmarks.weights --plot OUT.png RESULT.json...                  # memory after load / weights
+    python -m benchmarks.cpu.weights --shapes small,1b --out benchmarks/results/weights_cpu.json
+    python -m benchmarks.cpu.weights --device cuda --shapes 1b --variants outside   # on the H200
+    python -m benchmarks.cpu.weights --plot OUT.png RESULT.json...                  # memory after load / weights
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from benchmarks.machine import drop_from_page_cache
+from benchmarks.lib.machine import drop_from_page_cache
+from benchmarks.lib.paths import REPO, RESULTS, use_example_model
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "llama"))
+use_example_model()
 
 SHAPES: Dict[str, Dict[str, object]] = {
     # ~370 MB of bf16 weights: exports in about a minute on 2 cores, either way.
@@ -149,7 +149,7 @@ def measure(path: str, decode_steps: int) -> Dict[str, object]:
 
 
 def _child(args: List[str], env: Dict[str, str], timeout: int) -> Dict[str, object]:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.weights", *args], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu.weights", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}",
@@ -181,7 +181,7 @@ def run(shapes: List[str], variants: List[str], device: str, workdir: Path, deco
                 pte.unlink()
             print(json.dumps(row, indent=1), flush=True)
             results.append(row)
-    from benchmarks import machine
+    from benchmarks.lib import machine
 
     return {"date": machine.now_utc(), "machine": machine.describe(), "device": device, "results": results}
 
@@ -211,7 +211,7 @@ def plot(result_files: List[Path], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.cuda import finish_plot
+    from benchmarks.lib.plots import finish_plot
 
     labels, host, device = [], [], []
     for f in result_files:
@@ -253,7 +253,7 @@ def main(argv: "List[str] | None" = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--workdir", default="/tmp/offgraph_kv_weights_bench")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "weights_cpu.json"))
+    p.add_argument("--out", default=str(RESULTS / "weights_cpu.json"))
     a = p.parse_args(argv)
     report = run(a.shapes.split(","), a.variants.split(","), a.device, Path(a.workdir), a.decode_steps)
     Path(a.out).write_text(json.dumps(report, indent=2) + "\n")

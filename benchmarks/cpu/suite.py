@@ -38,15 +38,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from tqdm import tqdm
 
-from benchmarks import machine, report
+from benchmarks.lib import machine, report
+from benchmarks.lib.paths import REPO, RESULTS
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
 SUFFIX = {"stock": ".pte", "static-mask": ".so", "static-prefix": ".so", "offgraph": ".pte"}
 
 
@@ -55,7 +55,8 @@ def _ints(s: str) -> List[int]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--capacities", type=_ints, default=[512, 8192],
                    help="capacities of the AOTI static baselines (and of offgraph-kv)")
     p.add_argument("--offgraph-capacities", type=_ints, default=None,
@@ -121,7 +122,7 @@ def build_all(jobs: List[tuple], workdir: Path, a: argparse.Namespace) -> tuple:
     def one(kind: str, cap: int) -> tuple:
         out = workdir / f"{kind}_{cap}{SUFFIX[kind]}"
         log = workdir / f"build_{kind}_{cap}.log"
-        cmd = [sys.executable, "-m", "benchmarks.artifacts", "--kind", kind, "--capacity", str(cap),
+        cmd = [sys.executable, "-m", "benchmarks.lib.artifacts", "--kind", kind, "--capacity", str(cap),
                "--max-write", str(a.max_write), "--workdir", str(workdir), "--out", str(out)]
         rc = _run(cmd, log, env)
         info_path = Path(str(out) + ".build.json")
@@ -180,7 +181,7 @@ def measure_all(order: List[str], builds: Dict[str, dict], workdir: Path, a: arg
             bar.set_postfix_str(f"round {rnd + 1} {key}")
             out = workdir / f"measure_{key.replace('@', '_')}_r{rnd + 1}.json"
             log = workdir / f"measure_{key.replace('@', '_')}_r{rnd + 1}.log"
-            cmd = [sys.executable, "-m", "benchmarks.measure", "--kind", b["kind"], "--artifact", b["path"],
+            cmd = [sys.executable, "-m", "benchmarks.lib.measure", "--kind", b["kind"], "--artifact", b["path"],
                    "--capacity", str(b["capacity"]), "--max-write", str(a.max_write), "--decode-to", str(a.decode_to),
                    "--window", str(a.window), "--repeats", str(a.repeats), "--passes", str(a.passes),
                    "--threads", str(a.threads), "--out", str(out)]
@@ -211,7 +212,7 @@ def measure_interleaved(builds: Dict[str, dict], workdir: Path, a: argparse.Name
     if len(og) < 2:
         return None
     out, log = workdir / "interleaved.json", workdir / "interleaved.log"
-    cmd = [sys.executable, "-m", "benchmarks.interleaved", "--threads", str(a.threads),
+    cmd = [sys.executable, "-m", "benchmarks.lib.interleaved", "--threads", str(a.threads),
            "--max-write", str(a.max_write), "--out", str(out)]
     for b in og:
         cmd += ["--artifact", f"{b['capacity']}={b['path']}"]
@@ -250,22 +251,28 @@ def source_state() -> Dict[str, object]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": git("status", "--porcelain", "--", *paths).splitlines()}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    a = parse_args(argv)
-    src_before = source_state()
-    wall0 = time.perf_counter()
-    out_dir = Path(a.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="offgraph_kv_cpu_bench_"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    started = machine.now_utc()
-    info = machine.describe()
-    print(f"offgraph-kv CPU benchmark, {started}\n  {info['cpu_model']}, {info['cores']} cores, {info['platform']}\n"
-          f"  torch {info['torch']}, executorch {info['executorch']}; workdir {workdir}", flush=True)
+@dataclass
+class Measured:
+    """What one run of the suite built and measured: everything its report needs."""
 
-    from benchmarks import artifacts  # imports torch and the example model
+    started: str
+    info: Dict[str, object]
+    model_args: object  # examples/llama ModelArgs
+    bpt: int
+    order: List[str]
+    builds: Dict[str, dict]
+    runs: Dict[str, dict]
+    interleaved: Optional[dict]
+    not_done: Dict[str, str]
+    source: Dict[str, Dict[str, object]]
+    wall: float
 
-    weights = artifacts.write_weights(workdir)
+
+def build_programs(a: argparse.Namespace, workdir: Path) -> Tuple[object, int, Dict[str, dict], Dict[str, str]]:
+    """The weights once, then every program from them: model args, KV bytes/token, builds, failures."""
+    from benchmarks.lib import artifacts  # imports torch and the example model
+
+    artifacts.write_weights(workdir)
     args = artifacts.model_args()
     bpt = artifacts.kv_bytes_per_token(args, 4)
 
@@ -273,10 +280,27 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs = [("stock", c) for c in a.stock_capacities]
     jobs += [("offgraph", c) for c in a.offgraph_capacities]
     jobs += [(k, c) for c in a.capacities for k in ("static-mask", "static-prefix")]
-    builds, build_failed = build_all(jobs, workdir, a)
+    builds, failed = build_all(jobs, workdir, a)
+    return args, bpt, builds, failed
 
+
+def program_order(a: argparse.Namespace) -> List[str]:
+    """Every program's name, by capacity, then kind: the order of the table, the plots and the runs."""
     caps = sorted(set(a.capacities) | set(a.stock_capacities) | set(a.offgraph_capacities))
-    order = [report.name(k, c) for c in caps for k in ("stock", "static-mask", "static-prefix", "offgraph")]
+    return [report.name(k, c) for c in caps for k in ("stock", "static-mask", "static-prefix", "offgraph")]
+
+
+def run_suite(a: argparse.Namespace, workdir: Path) -> Measured:
+    """Build, then measure: each program alone in fresh processes, then the offgraph-kv capacities in turns."""
+    src_before = source_state()
+    wall0 = time.perf_counter()
+    started = machine.now_utc()
+    info = machine.describe()
+    print(f"offgraph-kv CPU benchmark, {started}\n  {info['cpu_model']}, {info['cores']} cores, {info['platform']}\n"
+          f"  torch {info['torch']}, executorch {info['executorch']}; workdir {workdir}", flush=True)
+
+    args, bpt, builds, build_failed = build_programs(a, workdir)
+    order = program_order(a)
     runs, measure_failed = measure_all(order, builds, workdir, a)
     interleaved = measure_interleaved(builds, workdir, a)
     not_done = {**build_failed, **measure_failed}
@@ -288,123 +312,101 @@ def main(argv: Optional[List[str]] = None) -> int:
         not_done["source"] = (f"the code under test changed during the run (commit {src_before['commit'][:10]} -> "
                               f"{src_after['commit'][:10]}, dirty {src_before['dirty']} -> {src_after['dirty']}): "
                               "programs may come from different versions; run again")
-    ts = report.targets(runs, builds, bpt, a.decode_tolerance, a.rss_tolerance_mib, interleaved)
-    rts = report.ratios(runs)
-    same = check_same_model(runs)
-    wall = time.perf_counter() - wall0
+    return Measured(started=started, info=info, model_args=args, bpt=bpt, order=order, builds=builds, runs=runs,
+                    interleaved=interleaved, not_done=not_done, source={"before": src_before, "after": src_after},
+                    wall=time.perf_counter() - wall0)
 
-    contention = {k: r.get("decode_others_busy") for k, r in runs.items()}
-    subtitle = (f"{info['cpu_model']}, {info['cores']} cores, {a.threads} thread(s) per program, "
-                f"{started[:10]}")
 
-    # --- JSON ----------------------------------------------------------------------
+NOTES = {
+    "baseline_1": "executorch.examples.models.llama.export_llama -kv --use_sdpa_with_kv_cache -X -d fp32 "
+                  "--max_seq_length min(C, 512) --max_context_length C, from a Meta-format checkpoint + "
+                  "params.json of the same weights (q/k permuted to Meta's interleaved RoPE layout). Its "
+                  "sdpa_with_kv_cache op attends over the filled prefix; it returns last-position logits "
+                  "only and takes at most max_seq_length - 1 tokens per call (prefill chunks 511 + 1).",
+    "baseline_2": "static-mask: KV as registered buffers [1, C, H_kv, D] updated with index_copy_ at "
+                  "input_pos; SDPA(enable_gqa) over the whole capacity with a lower-right causal mask "
+                  "(what a static cache attends over). Compiled with torch._inductor.aot_compile "
+                  "(aot_inductor.package False), run with AOTIModelContainerRunnerCpu. This is the "
+                  "'baseline 2' of the targets.",
+    "baseline_2b": "static-prefix: same buffers, attention over the first pos + T rows only "
+                   "(data-dependent slice): a best-case static cache. Informational lines only.",
+    "offgraph": "OffGraphKVPartitioner(storage_dtype=fp32, max_capacity=C, initial_capacity=256), max step "
+                "width 512, loaded with executorch.runtime.",
+    "memory": "RSS is VmRSS of a fresh process, relative to just before load (all kinds import the same "
+              "modules first). All programs allocate scratch on the first step (visible as a jump in the "
+              "first RSS sample). 'KV alloc' is the offgraph store's allocated_bytes.",
+    "timing": "decode ms/token at context c = median of the steps at positions [c, c + window), the smallest over "
+              "`passes` decode passes from an empty cache in each of `rounds` fresh processes (noise on a shared VM "
+              "only adds time, in bursts that can cover a whole window or a whole process); every step "
+              "is a 1-token call with a fixed pseudo-random token sequence (same inputs for all programs). "
+              "Prefill: 512-token prompt from an empty cache, median of `repeats`; offgraph resets its "
+              "store with memory released first, so prefill includes its growths.",
+    "contention": "decode_others_busy is the share of the machine's cores other processes used during the "
+                  "decode loop (other sessions run tests on these cores); medians over many steps absorb "
+                  "short preemptions, but busy machines still skew absolute numbers.",
+    "growth_time_share": "sum over decode steps that changed the capacity of (step time - median of the "
+                         "nearby non-growth steps), divided by the total decode time.",
+}
+
+
+def result_json(a: argparse.Namespace, argv: Optional[List[str]], m: Measured, ts: List[dict], rts: List[dict],
+                same: Dict[str, dict], contention: Dict[str, Optional[float]]) -> Dict[str, object]:
+    from benchmarks.lib.artifacts import SEED
+
     slim_runs = {}
-    for k, r in runs.items():
+    for k, r in m.runs.items():
         s = dict(r)
         s["decode_trace_ms"] = [[round(x, 1), round(y, 4)] for x, y in report.rolling(r["step_ms"])]
         s.pop("step_ms")
         s["check_logits_steps"] = sorted(int(x) for x in s.pop("check_logits"))
         slim_runs[k] = s
-    result = {
-        "benchmark": "offgraph-kv CPU", "date": started, "wall_s": round(wall, 1),
+    return {
+        "benchmark": "offgraph-kv CPU", "date": m.started, "wall_s": round(m.wall, 1),
         "command": "python -m benchmarks.cpu " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": info,
-        "source": {"before": src_before, "after": src_after},
+        "machine": m.info,
+        "source": m.source,
         "settings": {k: v for k, v in vars(a).items() if k not in ("workdir", "out_dir")},
-        "model": {**args.to_dict(), "weights_dtype": "fp32", "kv_storage_dtype": "fp32",
-                  "kv_bytes_per_token": bpt, "seed": artifacts.SEED},
+        "model": {**m.model_args.to_dict(), "weights_dtype": "fp32", "kv_storage_dtype": "fp32",
+                  "kv_bytes_per_token": m.bpt, "seed": SEED},
         "programs": {k: report.LABELS[k] for k in report.LABELS},
-        "notes": {
-            "baseline_1": "executorch.examples.models.llama.export_llama -kv --use_sdpa_with_kv_cache -X -d fp32 "
-                          "--max_seq_length min(C, 512) --max_context_length C, from a Meta-format checkpoint + "
-                          "params.json of the same weights (q/k permuted to Meta's interleaved RoPE layout). Its "
-                          "sdpa_with_kv_cache op attends over the filled prefix; it returns last-position logits "
-                          "only and takes at most max_seq_length - 1 tokens per call (prefill chunks 511 + 1).",
-            "baseline_2": "static-mask: KV as registered buffers [1, C, H_kv, D] updated with index_copy_ at "
-                          "input_pos; SDPA(enable_gqa) over the whole capacity with a lower-right causal mask "
-                          "(what a static cache attends over). Compiled with torch._inductor.aot_compile "
-                          "(aot_inductor.package False), run with AOTIModelContainerRunnerCpu. This is the "
-                          "'baseline 2' of the targets.",
-            "baseline_2b": "static-prefix: same buffers, attention over the first pos + T rows only "
-                           "(data-dependent slice): a best-case static cache. Informational lines only.",
-            "offgraph": "OffGraphKVPartitioner(storage_dtype=fp32, max_capacity=C, initial_capacity=256), max step "
-                        "width 512, loaded with executorch.runtime.",
-            "memory": "RSS is VmRSS of a fresh process, relative to just before load (all kinds import the same "
-                      "modules first). All programs allocate scratch on the first step (visible as a jump in the "
-                      "first RSS sample). 'KV alloc' is the offgraph store's allocated_bytes.",
-            "timing": "decode ms/token at context c = median of the steps at positions [c, c + window), the smallest over "
-                      "`passes` decode passes from an empty cache in each of `rounds` fresh processes (noise on a shared VM "
-                      "only adds time, in bursts that can cover a whole window or a whole process); every step "
-                      "is a 1-token call with a fixed pseudo-random token sequence (same inputs for all programs). "
-                      "Prefill: 512-token prompt from an empty cache, median of `repeats`; offgraph resets its "
-                      "store with memory released first, so prefill includes its growths.",
-            "contention": "decode_others_busy is the share of the machine's cores other processes used during the "
-                          "decode loop (other sessions run tests on these cores); medians over many steps absorb "
-                          "short preemptions, but busy machines still skew absolute numbers.",
-            "growth_time_share": "sum over decode steps that changed the capacity of (step time - median of the "
-                                 "nearby non-growth steps), divided by the total decode time.",
-        },
-        "builds": builds,
+        "notes": NOTES,
+        "builds": m.builds,
         "runs": slim_runs,
         "same_model_check": same,
-        "interleaved_decode": interleaved,
+        "interleaved_decode": m.interleaved,
         "targets": ts,
         "ratios": rts,
         "contention_others_busy": contention,
-        "not_done": not_done,
+        "not_done": m.not_done,
     }
-    json_path = out_dir / "cpu.json"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
 
-    # --- plots ------------------------------------------------------------------------
-    mem_png, dec_png = out_dir / "cpu_memory.png", out_dir / "cpu_decode.png"
-    plot_err = None
-    try:
-        report.plot_memory(runs, order, bpt, str(mem_png), subtitle)
-        report.plot_decode(runs, order, str(dec_png), subtitle)
-    except ImportError as e:
-        plot_err = f"plots skipped ({e}); pip install matplotlib"
 
-    # --- table, targets, summary ---------------------------------------------------------
-    tab = report.table(runs, order)
-    rtab = report.ratio_table(rts)
-    lines = report.target_lines(ts)
-    growth_lines = []
+def growth_lines(runs: Dict[str, dict]) -> List[str]:
+    """One line per offgraph-kv program: its growths, their extra time, prefill growths, host work."""
+    lines = []
     for r in report.by_kind(runs, "offgraph"):
         g = r.get("growth") or {}
         m = r.get("metrics_after_decode") or {}
         share = g.get("growth_time_share")
         pf = (r.get("prefill") or {}).get("growths_per_prefill")
-        growth_lines.append(
+        lines.append(
             f"offgraph@{r['capacity']}: {m.get('growths')} growths over {r['decoded_tokens']} decode steps "
             f"(capacity {m.get('capacity')}), extra time {g.get('growth_extra_ms', 0):.2f} ms = "
             f"{100 * share:.3f}% of decode time" if share is not None else "n/a")
-        growth_lines[-1] += f"; prefill growths {pf[0] if pf else 'n/a'}; host overhead {m.get('host_us_per_step', 0):.1f} us/step"
-    worst_gap = max((g for v in same.values() for g in v["max_abs_logit_gap"].values()), default=None)
-    busy = [v for v in contention.values() if v is not None]
-    print("\n" + tab + "\n\n" + rtab + "\n")
-    for ln in growth_lines:
-        print("  " + ln)
-    if worst_gap is not None:
-        print(f"  same model: largest logit gap between any program and offgraph = {worst_gap:.2e}")
-    if busy:
-        print(f"  other processes kept {100 * min(busy):.0f}-{100 * max(busy):.0f}% of the cores busy during decode")
-    print()
-    for ln in lines:
-        print(ln)
-    for k, v in not_done.items():
-        print(f"NOT DONE    {k}: {v.splitlines()[0]}")
-    if plot_err:
-        print(plot_err)
-    print(f"\nwall time {wall / 60:.1f} min; wrote {json_path}, {mem_png.name}, {dec_png.name}, cpu_summary.md")
+        lines[-1] += f"; prefill growths {pf[0] if pf else 'n/a'}; host overhead {m.get('host_us_per_step', 0):.1f} us/step"
+    return lines
 
+
+def summary_md(a: argparse.Namespace, m: Measured, tab: str, rtab: str, growth: List[str], busy: List[float],
+               lines: List[str]) -> str:
+    info = m.info
     md = [
-        f"### CPU benchmark ({started[:10]})",
+        f"### CPU benchmark ({m.started[:10]})",
         "",
         f"{info['cpu_model']}, {info['cores']} cores, {info['platform']}; torch {info['torch']}, executorch "
         f"{info['executorch']}; {a.threads} compute thread(s) per program. Toy llama (dim 256, 4 layers, 8 q / 2 kv "
-        f"heads, vocab 512), fp32 weights and KV ({bpt} KV bytes/token), same weights in every program. "
-        f"`python -m benchmarks.cpu`, {wall / 60:.1f} min.",
+        f"heads, vocab 512), fp32 weights and KV ({m.bpt} KV bytes/token), same weights in every program. "
+        f"`python -m benchmarks.cpu`, {m.wall / 60:.1f} min.",
         "",
         "Programs: **stock XNNPACK** = ExecuTorch `export_llama -kv --use_sdpa_with_kv_cache -X` (static KV); "
         "**AOTI static (mask)** = same AOTInductor path as offgraph-kv with KV as in-graph static buffers and "
@@ -415,19 +417,74 @@ def main(argv: Optional[List[str]] = None) -> int:
         "",
         rtab,
         "",
-        *[f"- {ln}" for ln in growth_lines],
+        *[f"- {ln}" for ln in growth],
         *([f"- other processes kept {100 * min(busy):.0f}-{100 * max(busy):.0f}% of the cores busy during the "
            "decode loops (shared machine)"] if busy else []),
         "",
         "```",
         *lines,
-        *[f"NOT DONE    {k}: {v.splitlines()[0]}" for k, v in not_done.items()],
+        *[f"NOT DONE    {k}: {v.splitlines()[0]}" for k, v in m.not_done.items()],
         "```",
         "",
         "![memory](benchmarks/results/cpu_memory.png) ![decode](benchmarks/results/cpu_decode.png)",
         "",
     ]
-    (out_dir / "cpu_summary.md").write_text("\n".join(md))
+    return "\n".join(md)
+
+
+def write_report(a: argparse.Namespace, argv: Optional[List[str]], m: Measured, out_dir: Path) -> None:
+    """Targets, ratios and the same-model check; then cpu.json, the two plots, the printed table and cpu_summary.md."""
+    runs = m.runs
+    ts = report.targets(runs, m.builds, m.bpt, a.decode_tolerance, a.rss_tolerance_mib, m.interleaved)
+    rts = report.ratios(runs)
+    same = check_same_model(runs)
+    contention = {k: r.get("decode_others_busy") for k, r in runs.items()}
+    subtitle = (f"{m.info['cpu_model']}, {m.info['cores']} cores, {a.threads} thread(s) per program, "
+                f"{m.started[:10]}")
+
+    json_path = out_dir / "cpu.json"
+    json_path.write_text(json.dumps(result_json(a, argv, m, ts, rts, same, contention), indent=1) + "\n")
+
+    mem_png, dec_png = out_dir / "cpu_memory.png", out_dir / "cpu_decode.png"
+    plot_err = None
+    try:
+        report.plot_memory(runs, m.order, m.bpt, str(mem_png), subtitle)
+        report.plot_decode(runs, m.order, str(dec_png), subtitle)
+    except ImportError as e:
+        plot_err = f"plots skipped ({e}); pip install matplotlib"
+
+    tab = report.table(runs, m.order)
+    rtab = report.ratio_table(rts)
+    lines = report.target_lines(ts)
+    growth = growth_lines(runs)
+    worst_gap = max((g for v in same.values() for g in v["max_abs_logit_gap"].values()), default=None)
+    busy = [v for v in contention.values() if v is not None]
+    print("\n" + tab + "\n\n" + rtab + "\n")
+    for ln in growth:
+        print("  " + ln)
+    if worst_gap is not None:
+        print(f"  same model: largest logit gap between any program and offgraph = {worst_gap:.2e}")
+    if busy:
+        print(f"  other processes kept {100 * min(busy):.0f}-{100 * max(busy):.0f}% of the cores busy during decode")
+    print()
+    for ln in lines:
+        print(ln)
+    for k, v in m.not_done.items():
+        print(f"NOT DONE    {k}: {v.splitlines()[0]}")
+    if plot_err:
+        print(plot_err)
+    print(f"\nwall time {m.wall / 60:.1f} min; wrote {json_path}, {mem_png.name}, {dec_png.name}, cpu_summary.md")
+    (out_dir / "cpu_summary.md").write_text(summary_md(a, m, tab, rtab, growth, busy, lines))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = parse_args(argv)
+    out_dir = Path(a.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="offgraph_kv_cpu_bench_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    measured = run_suite(a, workdir)
+    write_report(a, argv, measured, out_dir)
     if not a.keep and not a.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     elif a.keep:

@@ -1,6 +1,6 @@
 """Build the programs the CPU benchmark compares, all from the same weights.
 
-    python -m benchmarks.artifacts --kind offgraph --capacity 8192 --workdir W --out W/offgraph_8192.pte
+    python -m benchmarks.lib.artifacts --kind offgraph --capacity 8192 --workdir W --out W/offgraph_8192.pte
 
 Kinds:
 
@@ -28,10 +28,9 @@ from typing import Dict
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-LLAMA_DIR = REPO / "examples" / "llama"
-if str(LLAMA_DIR) not in sys.path:
-    sys.path.insert(0, str(LLAMA_DIR))
+from benchmarks.lib.paths import use_example_model
+
+use_example_model()
 
 from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic  # noqa: E402
 
@@ -99,7 +98,7 @@ def build_stock(workdir: Path, capacity: int, max_write: int, out: Path) -> Dict
 
 
 def build_static(workdir: Path, capacity: int, max_write: int, attend: str, out: Path) -> Dict[str, object]:
-    from benchmarks.static_cache import static_cache_model
+    from benchmarks.lib.static_cache import static_cache_model
 
     model = static_cache_model(load_model(workdir), capacity, attend)
     example = example_inputs(4)

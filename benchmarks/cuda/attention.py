@@ -1,6 +1,6 @@
 """Decode attention kernels on the delegate's own KV layout, side by side (H200).
 
-    python -m benchmarks.cuda_attention --out results/cuda_attention_h200.json
+    python -m benchmarks.cuda.attention --out results/cuda_attention_h200.json
 
 One decode query (batch 1) of Llama-3-8B attention shape (32 query heads,
 8 KV heads, head dim 128, bf16) over one layer's history, read the way the
@@ -97,7 +97,7 @@ def best_share(rows: List[Dict[str, object]], ctx: int, key: str = "growing_shar
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    from benchmarks.cuda_growth import memcpy_seconds
+    from benchmarks.cuda.growth import memcpy_seconds
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="1024,8192,32768")
@@ -108,7 +108,7 @@ def main(argv: "list[str] | None" = None) -> int:
     rows = attention_rows([int(c) for c in a.contexts.split(",")], memcpy_Bps)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": "python -m benchmarks.cuda_attention " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m benchmarks.cuda.attention " + " ".join(sys.argv[1:] if argv is None else argv),
               "shape": SHAPE, "memcpy_TBps": memcpy_Bps / 1e12, "rows": rows}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -1,6 +1,6 @@
 """A generation that grows the CUDA store three times, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck python -m benchmarks.cuda_sanitize model.pte
+    compute-sanitizer --tool memcheck python -m benchmarks.cuda.sanitize model.pte
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ token), exported once; every measurement runs in its own process.
   one process (``offgraph_kv.runtime.Sessions``, one 16-token step each), against
   N separate loads (N processes, each paying the weights: N x one load).
 
-    python -m benchmarks.sessions                      # ~5 min on 2 busy cores
-    python -m benchmarks.sessions --out benchmarks/results/sessions_cpu.json
+    python -m benchmarks.cpu.sessions                      # ~5 min on 2 busy cores
+    python -m benchmarks.cpu.sessions --out benchmarks/results/sessions_cpu.json
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from benchmarks.machine import drop_from_page_cache
+from benchmarks.lib.machine import drop_from_page_cache
+from benchmarks.lib.paths import REPO, RESULTS, use_example_model
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples" / "llama"))
+use_example_model()
 
 SHAPE = dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=8192)
 EXPORT_BOUND = 256  # widest step (prefill chunk)
@@ -230,7 +230,7 @@ def measure_sessions(pte: str, count: int) -> Dict[str, object]:
 
 def _child(args: List[str], timeout: int) -> Dict[str, object]:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    done = subprocess.run([sys.executable, "-m", "benchmarks.sessions", *args], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.cpu.sessions", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{args[0]} failed:\n{done.stderr[-3000:]}")
@@ -238,7 +238,7 @@ def _child(args: List[str], timeout: int) -> Dict[str, object]:
 
 
 def run(workdir: Path) -> Dict[str, object]:
-    from benchmarks import machine
+    from benchmarks.lib import machine
 
     workdir.mkdir(parents=True, exist_ok=True)
     pte = workdir / "sessions_bench.pte"
@@ -268,7 +268,7 @@ def summary_md(report: Dict[str, object]) -> str:
         f"### Sessions, rewind and saved contexts, CPU ({report['date'][:10]})",
         "",
         f"{m['cpu_model']}, {m['cores']} cores (shared), torch {m['torch']}, executorch {m['executorch']}; "
-        f"`python -m benchmarks.sessions`, {report['total_s'] / 60:.1f} min. Toy-sized random-weight model: "
+        f"`python -m benchmarks.cpu.sessions`, {report['total_s'] / 60:.1f} min. Toy-sized random-weight model: "
         f"dim {SHAPE['dim']}, {SHAPE['n_layers']} layers, {SHAPE['n_heads']} q / {SHAPE['n_kv_heads']} kv heads x 64, "
         f"vocab {SHAPE['vocab_size']}, fp32 weights {e['weight_bytes'] / 1e6:.0f} MB, fp32 KV "
         f"{e['kv_bytes_per_token'] // 1024} KiB/token; 1 compute thread.",
@@ -313,7 +313,7 @@ def main(argv: "List[str] | None" = None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workdir", default="/tmp/offgraph_kv_sessions_bench")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sessions_cpu.json"))
+    p.add_argument("--out", default=str(RESULTS / "sessions_cpu.json"))
     a = p.parse_args(argv)
     report = run(Path(a.workdir))
     out = Path(a.out)

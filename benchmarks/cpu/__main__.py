@@ -1,0 +1,7 @@
+"""python -m benchmarks.cpu: the CPU suite's main run (suite.py)."""
+
+import sys
+
+from benchmarks.cpu.suite import main
+
+sys.exit(main())
