@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from checkpoint import LoadedCheckpoint, dtype_name, load_hf, load_meta, parse_dtype  # noqa: E402
 from gguf_import import load_gguf, smollm2_gguf_path, tokenizer_dir_for, write_tokenizer  # noqa: E402
 from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic  # noqa: E402
+from quantize import DEFAULT_GROUP_SIZE, SCHEMES, quantize_model, weight_bytes  # noqa: E402
 from report import format_bytes  # noqa: E402
 from tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, find_tokenizer_near, load_tokenizer  # noqa: E402
 
@@ -53,6 +54,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src.add_argument("--params", help="Meta params.json (default: next to --checkpoint)")
     src.add_argument("--hf-dir", help="Hugging Face directory: config.json + *.safetensors")
     src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast weights (default: checkpoint dtype)")
+    src.add_argument("--quantize", choices=SCHEMES,
+                     help="weight-only quantization of every linear layer through torchao (examples/llama/quantize.py)")
+    src.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="inputs per int4 scale")
     src.add_argument("--tokenizer", help="tokenizer to record in the sidecar (default: found next to the checkpoint)")
     toy = p.add_argument_group("toy model shape (with --tiny)")
     defaults = ModelArgs()
@@ -243,6 +247,7 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
     with progress.stage("build deterministic model" if a.tiny else "load weights"):
         ck = load_model(a)
         tok_info = tokenizer_info(a, ck)
+        quantized = quantize_model(ck.model, a.quantize, a.group_size)
     model, args = ck.model, ck.args
     if a.max_write < 1:
         raise ValueError(f"--max-write must be >= 1, got {a.max_write}")
@@ -271,16 +276,14 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
         out.write_bytes(data)
     progress.close()
 
-    params = {id(p): p for p in model.parameters()}
-    n_params = sum(p.numel() for p in params.values())
-    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     scan = scan_pte(data)
     summary: Dict[str, object] = {
         "version": SIDECAR_VERSION,
         "pte": out.name,
         "file_bytes": len(data),
         "parameters": n_params,
-        "weight_bytes": weight_bytes,
+        "weight_bytes": weight_bytes(model),
         # Read back from the .pte: the backend proved at export that the compiled
         # code's constants are the model's weights, and nothing else sits in the file.
         "kv_bytes_per_token": scan["manifest_kv_bytes_per_token"],
@@ -289,6 +292,7 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
         "pte_scan": scan,
         "model_args": args.to_dict(),
         "weights_dtype": dtype_name(ck.dtype),
+        "quantize": quantized,
         "source": ck.source,
         "tokenizer": tok_info,
         "device": a.device,
@@ -308,7 +312,8 @@ def print_summary(s: Dict[str, object]) -> None:
     args = s["model_args"]
     print(f"wrote {s['pte']} ({format_bytes(s['file_bytes'])}) and its sidecar {s['pte']}.json")
     print(f"  model             {args['n_layers']} layers, dim {args['dim']}, {args['n_heads']} q / "
-          f"{args['n_kv_heads']} kv heads, vocab {args['vocab_size']}, weights {s['weights_dtype']}")
+          f"{args['n_kv_heads']} kv heads, vocab {args['vocab_size']}, weights {s['weights_dtype']}"
+          + (f", linears {s['quantize']['scheme']}" if s.get("quantize") else ""))
     print(f"  parameters        {s['parameters']:,} ({format_bytes(s['weight_bytes'])})")
     rings = f" + {format_bytes(s['kv_ring_bytes'])} fixed for sliding-window layers" if s.get("kv_ring_bytes") else ""
     print(f"  KV per token      {format_bytes(s['kv_bytes_per_token'])}{rings} "

@@ -139,10 +139,17 @@ def build_eager_reference(sidecar: Dict[str, object]) -> Transformer:
     source = sidecar["source"]
     dtype = dtype_from_name(sidecar["weights_dtype"], what="weights_dtype")
     if source["format"] == "deterministic":
-        return init_deterministic(Transformer(args), seed=int(source["seed"])).to(dtype).eval()
-    from checkpoint import load_from_source
+        model = init_deterministic(Transformer(args), seed=int(source["seed"])).to(dtype).eval()
+    else:
+        from checkpoint import load_from_source
 
-    return load_from_source(source, dtype).model
+        model = load_from_source(source, dtype).model
+    q = sidecar.get("quantize")
+    if q:  # the same torchao quantization the export applied
+        from quantize import DEFAULT_GROUP_SIZE, quantize_model
+
+        quantize_model(model, q["scheme"], q.get("group_size") or DEFAULT_GROUP_SIZE)
+    return model
 
 
 class EagerCheck:
