@@ -280,6 +280,16 @@ def test_export_defaults_to_the_smollm2_gguf_when_its_wheel_is_installed() -> No
     assert export.parse_args(["--out", "x.pte", "--tiny"]).gguf is None
 
 
+def test_real_weights_default_to_bf16_where_the_device_computes_it_and_fp32_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert export.parse_args(["--out", "x.pte", "--dtype", "fp32"]).dtype == "fp32"  # asked for: kept
+    assert export.parse_args(["--out", "x.pte", "--tiny"]).dtype is None  # the toy stays fp32
+    assert export.parse_args(["--out", "x.pte", "--device", "cuda"]).dtype == "bf16"
+    for native, want in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda native=native: native)
+        assert export.parse_args(["--out", "x.pte"]).dtype == want
+
+
 def test_toy_shape_flags_without_tiny_are_refused(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         export.parse_args(["--out", "x.pte", "--dim", "64"])

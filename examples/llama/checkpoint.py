@@ -49,6 +49,17 @@ def parse_dtype(name: "str | torch.dtype | None") -> Optional[torch.dtype]:
     return None if name is None else dtype_from_name(name, what="dtype")
 
 
+def default_weights_dtype(device: str) -> str:
+    """bf16 where the device computes it natively (CUDA; a CPU with AVX512-BF16 or AMX, as oneDNN
+    reports), fp32 elsewhere. Measured on SmolLM2 (2026-12-01, AVX512-BF16 CPU, one thread): bf16
+    weights decode in 0.59x the time of fp32 and prefill 3.2x faster, at half the memory, and the
+    compiled bf16 program is closer to the fp32 model than eager bf16 is (max |logit error| 0.52
+    vs 0.99 over a 48-token prompt)."""
+    if device == "cuda":
+        return "bf16"
+    return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return dtype_short_name(dtype)
 

