@@ -181,6 +181,14 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         # or a one-row cache; the program is correct for them.
         "aot_inductor.check_lowerbound": False,
     }
+    if device == "cpu":
+        # The runtime decides the threads of every step (runtime/src/step_threads.cpp,
+        # option num_threads). Without this inductor bakes the compiling process's
+        # thread count into the code: `num_threads(N)` clauses that ignore the
+        # runtime's setting, or (when N was that machine's core count) per-thread
+        # reduction arrays of N entries indexed by the thread id, written out of
+        # bounds by a run with more threads than the exporting machine had.
+        options["cpp.dynamic_threads"] = True
     if device == "cuda":
         # Otherwise the .so loads its GPU kernels from cubin files in the
         # compile's cache directory at run time: gone on any other machine.
