@@ -26,8 +26,8 @@ def test_num_threads_option_is_rejected_naming_the_option_and_the_value():
 
 
 def test_steps_on_more_threads_than_cores_match_the_oracle_and_keep_the_callers_threads(pte_factory, model):
-    # More threads than this machine has cores: the compiled code sizes its
-    # per-thread buffers at run time (cpp.dynamic_threads), so this is only slower.
+    # More threads than this machine has cores: no thread count is baked into
+    # the compiled code (backend/aoti_compile.py), so this is only slower.
     threads = 2 * (os.cpu_count() or 1) + 1
     session = load_configured(pte_factory(storage_dtype=torch.bfloat16), num_threads=threads)
     oracle = Oracle(model, torch.bfloat16)

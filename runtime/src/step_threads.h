@@ -1,10 +1,9 @@
 // How many threads the compiled code's parallel loops use for one step.
 //
-// AOTI CPU code runs two kinds of parallel work, both on OpenMP (the libgomp
-// that libtorch links): inductor's own kernels (`#pragma omp parallel`; the
-// backend compiles them with cpp.dynamic_threads, so they take
-// omp_get_max_threads() at run time) and the ATen kernels it calls, chiefly
-// MKL's GEMM / GEMV for fp32 weights and oneDNN for bf16. OpenMP's thread
+// The parallel work of AOTI CPU code is in the ATen kernels it calls (MKL's
+// GEMM / GEMV for fp32 weights, oneDNN for bf16, the fused attention), all on
+// OpenMP (the libgomp that libtorch links); the backend compiles inductor's
+// own kernels serial (backend/aoti_compile.py says why). OpenMP's thread
 // count is per calling thread (the ICV of omp_set_num_threads), and MKL keeps
 // one more per thread: torch.set_num_threads(n) sets mkl_set_num_threads_local(n),
 // which then overrides the OpenMP setting for MKL calls on that thread. So a
