@@ -204,8 +204,10 @@ def plot(result: Dict[str, object], out: Path) -> None:
         width = 1 if kind == "decode" else result["config"]["chunk"]
         ax.set_title(f"{kind}: {width}-token steps at {result['config']['context']} tokens of context")
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"{Path(result['config']['pte']).name}: num_threads, idle vs one busy process per core "
-                 f"(whiskers: min / worst)", fontsize=9)
+    shares = ", ".join("?" if x is None else f"{x:.0%}" for x in result["others_busy_in_idle_windows"])
+    fig.suptitle(f"{Path(result['config']['pte']).name}: num_threads, idle vs one busy process per core, all rounds "
+                 f"(whiskers: min / worst); other jobs' share of the cores in each round's idle window: {shares}",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -229,6 +231,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         result = json.loads(Path(a.out).read_text())
         by_round(result)
         Path(a.out).write_text(json.dumps(result, indent=1))
+        plot(result, Path(a.plot) if a.plot else Path(a.out).with_suffix(".png"))
         print_rounds(result)
         return 0
     started = now_utc()

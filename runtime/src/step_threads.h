@@ -17,11 +17,13 @@
 // waits for its slowest thread: with another job on the cores, one preempted
 // thread stalls the step for a scheduler time slice, loop after loop. So the
 // default (num_threads unset, `automatic`) is measured, not assumed
-// (benchmarks/cpu_threads.py, SmolLM2-135M on 2 cores): decode steps take one
-// thread (reading every weight once is bandwidth-bound: 2 threads were no
-// faster idle, 1.6x slower in the median and 20x at worst with a busy process
-// per core); wider steps take the cores no other process is running on right
-// now (2 threads prefill 1.6x faster idle, 1.3x slower busy).
+// (benchmarks/cpu_threads.py, SmolLM2-135M on 2 cores, README "CPU threads"):
+// decode steps take one thread (reading every weight once is bandwidth-bound:
+// 2 threads were no faster idle and slower with a busy process per core, up
+// to 20-40x at the worst step while inductor's kernels were parallel too);
+// wider steps take the cores no other process is running on right now
+// (2 threads prefill 1.6x faster idle, 1.6x slower busy, 20x slower when
+// someone else's job held one core).
 #pragma once
 
 #include <cstddef>
