@@ -181,6 +181,20 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         # or a one-row cache; the program is correct for them.
         "aot_inductor.check_lowerbound": False,
     }
+    if device == "cpu":
+        # Inductor's own CPU kernels stay serial; the runtime decides the threads
+        # of what parallelises (ATen's kernels: MKL / oneDNN GEMMs, the fused
+        # attention), per step (runtime/src/step_threads.h, option num_threads).
+        # Left to its default, inductor bakes the compiling process's thread
+        # count N into the code: `num_threads(N)` clauses that ignore the
+        # runtime's setting (N threads even for a decode step), or, when N was
+        # that machine's core count, per-thread reduction arrays of N entries
+        # indexed by the thread id, written out of bounds by a run with more
+        # threads. cpp.dynamic_threads fixes both but opens a parallel region in
+        # every kernel, and a kernel's bounds check (a token id past the
+        # vocabulary) that throws inside one aborts the process instead of
+        # failing the step.
+        options["cpp.threads"] = 1
     if device == "cuda":
         # Otherwise the .so loads its GPU kernels from cubin files in the
         # compile's cache directory at run time: gone on any other machine.

@@ -16,13 +16,20 @@ other program's path.)
   each query's log-sum-exp; the step's other T - 1 rows (a strictly lower
   triangle, T x T at most) are attended directly and merged by log-sum-exp.
   A decode step is one fused kernel over the whole history plus that merge.
+  With 16-bit storage on CPU the history is read as stored: a decode step's
+  few query rows attend it through reductions that widen each element as it
+  is loaded (``reduced_attention_with_lse``); a wider step converts only the
+  rows it sees for the fused fp32 kernel (``_history_16bit``).
 
-Either way one program serves every step width with no control flow; the
+Either way one program serves every step width (the CPU 16-bit choice above
+is a ``torch.cond`` on the width, a branch in the compiled code); the
 masked kernels would run at 2-3 % of memory bandwidth at 32K context on the
 H200. Ring layers keep an explicit band mask: their window is small.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +66,14 @@ def _unfold_groups(out: torch.Tensor, num_heads: int, t: int) -> torch.Tensor:
     return dense.view(out.shape[0], num_heads, t, out.shape[-1])
 
 
-def _storage_views(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor):  # noqa: ANN202
-    """``[1, S, H_kv, D]`` storage as ``[1, H_kv, S, D]`` views in the attention dtype."""
+def _storage_views(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, convert: bool = True):  # noqa: ANN202
+    """``[1, S, H_kv, D]`` storage as ``[1, H_kv, S, D]`` views in the attention dtype
+    (``convert=False``: the storage's own dtype; the caller widens only what it reads)."""
     compute = attention_dtype(k_store.dtype, q.device)
-    return q.to(compute), k_store.transpose(1, 2).to(compute), v_store.transpose(1, 2).to(compute)
+    keys, values = k_store.transpose(1, 2), v_store.transpose(1, 2)
+    if convert:
+        keys, values = keys.to(compute), values.to(compute)
+    return q.to(compute), keys, values
 
 
 def _explicit_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -152,6 +163,76 @@ COMPILE_DECOMPOSITIONS = {
 }
 
 
+def reduced_attention_with_lse(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Unmasked attention of fp32 queries over 16-bit keys and values, in fp32,
+    written as reductions that inductor fuses with the loads: each stored
+    element is widened in a register as it is read, so no fp32 copy of the
+    history exists. Returns the fp32 output and each query row's log-sum-exp.
+
+    For the few query rows of a decode step this reads the history once at
+    the storage's width (half of fp32's bytes); it is not a GEMM, so wide
+    steps take the fused kernel instead (``_history_16bit``).
+    """
+    logits = (q.unsqueeze(3) * keys.unsqueeze(2).float()).sum(-1) * scale  # [1, H_kv, R, S]
+    peak = logits.amax(-1, keepdim=True)
+    p = torch.exp(logits - peak)
+    total = p.sum(-1, keepdim=True)
+    out = (p.unsqueeze(-1) * values.unsqueeze(2).float()).sum(-2) / total
+    return out, (peak + torch.log(total)).squeeze(-1)
+
+
+def _dense(*tensors: torch.Tensor) -> "tuple[torch.Tensor, ...]":
+    # Both branches of a cond must return one layout (AOTI refuses differing
+    # strides; the fused kernel's lse is head-strided); the copies are T rows.
+    return tuple(x.clone(memory_format=torch.contiguous_format) for x in tensors)
+
+
+def _converted_attention_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                                  ) -> "tuple[torch.Tensor, torch.Tensor]":
+    return _dense(*torch.ops.offgraph_kv.attend_with_lse(q, keys.float(), values.float(), scale))
+
+
+def _reduced_branch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                    ) -> "tuple[torch.Tensor, torch.Tensor]":
+    out, lse = reduced_attention_with_lse(q, keys, values, scale)
+    return _dense(out.to(q.dtype), lse)
+
+
+def _history_16bit(step_width: "int | torch.SymInt", q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   scale: float) -> "tuple[torch.Tensor, torch.Tensor]":
+    """CPU, 16-bit storage: attention over the rows every query sees.
+
+    A one-token step (decode) reads the 16-bit rows directly
+    (``reduced_attention_with_lse``): converting the whole history to fp32
+    first wrote and re-read twice its bytes every step, more than the
+    attention itself. A wider step (prefill chunk) converts the rows it sees
+    and runs the fused fp32 kernel: there the conversion is shared by all its
+    queries and the kernel's GEMMs are 1.5x faster than reductions (measured:
+    64 queries over 2,000 rows, 3 KV heads). One program serves both, so the
+    choice is a ``torch.cond`` on the width, a branch in the compiled code.
+    """
+    if isinstance(step_width, int):  # a static width: no branch to keep
+        branch = _reduced_branch if step_width == 1 else _converted_attention_with_lse
+        return branch(q, keys, values, scale)
+    return torch.cond(step_width == 1, lambda a, b, c: _reduced_branch(a, b, c, scale),
+                      lambda a, b, c: _converted_attention_with_lse(a, b, c, scale), (q, keys, values))
+
+
+# ``OFFGRAPH_KV_CPU_ATTENTION=convert`` (read at export) lowers CPU 16-bit
+# storage as before: the whole history converted to fp32 every step. Kept so
+# the two lowerings can be compared side by side (benchmarks/cpu/attention_16bit.py).
+CPU_ENV_SWITCH = "OFFGRAPH_KV_CPU_ATTENTION"
+
+
+def _cpu_reads_16bit() -> bool:
+    choice = os.environ.get(CPU_ENV_SWITCH, "")
+    if choice not in ("", "direct", "convert"):
+        raise ValueError(f"{CPU_ENV_SWITCH} must be 'direct' (the default) or 'convert', got {choice!r}")
+    return choice != "convert"
+
+
 def attend_flat(
     q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, scale: float, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -159,7 +240,11 @@ def attend_flat(
 
     Lower-right causal: query i (position S - T + i) sees rows up to S - T + i.
     """
-    q, keys, values = _storage_views(q, k_store, v_store)
+    # On CPU 16-bit storage stays 16-bit here: converting all S rows up front
+    # made inductor write an fp32 copy of the whole history (twice for K: the
+    # step's own rows were sliced from a second one) on every step.
+    q, keys, values = _storage_views(q, k_store, v_store,
+                                     convert=q.device.type == "cuda" or not _cpu_reads_16bit())
     # 16-bit attention: CUDA only (attention_dtype); flash needs one head dim for k and v.
     if q.dtype != torch.float32 and values.shape[-1] == keys.shape[-1]:
         return torch.ops.offgraph_kv.attend_causal(q, keys, values, scale).to(out_dtype)
@@ -167,8 +252,11 @@ def attend_flat(
     s, hkv = keys.shape[2], keys.shape[1]
     folded = _fold_groups(q, hkv)  # row r = g * T + i
     seen = s - t + 1  # rows every query sees: the history and the step's first row (never empty)
-    out_a, lse_a = torch.ops.offgraph_kv.attend_with_lse(folded, keys.narrow(2, 0, seen), values.narrow(2, 0, seen),
-                                                         scale)
+    k_a, v_a = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)
+    if q.device.type == "cpu" and keys.dtype != torch.float32:  # 16-bit, as stored
+        out_a, lse_a = _history_16bit(t, folded, k_a, v_a, scale)
+    else:
+        out_a, lse_a = torch.ops.offgraph_kv.attend_with_lse(folded, k_a, v_a, scale)
     # The step's remaining T - 1 rows: query i sees row seen + j only when j < i.
     k_b = keys.narrow(2, seen, t - 1).float()
     v_b = values.narrow(2, seen, t - 1).float()

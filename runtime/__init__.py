@@ -43,8 +43,10 @@ def configure(
 ) -> None:
     """Override the export-time growth policy (and the rings' rewind budget:
     extra slots that let a ring layer be rewound further) for methods loaded
-    from now on. ``num_threads``: threads per step of the compiled code (default:
-    one for decode steps, the process's OpenMP setting for wider ones).
+    from now on. ``num_threads``: threads per step of the compiled code, every step
+    (default: one for decode steps; for wider steps the process's OpenMP
+    setting less the cores other processes are running on at that moment, at
+    least one; measured in ``benchmarks/cpu/threads.py``).
     ``growth``: ``"map"`` reserves address space for ``max_capacity`` rows at
     load and backs it as the store grows (nothing copied, addresses fixed),
     falling back to copying where the device cannot (the store's metrics say

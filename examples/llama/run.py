@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
@@ -57,9 +56,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="also run the eager model with ExecuTorch's reference cache and report the largest logit gap")
     p.add_argument("--json", help="write prompt/generated ids, text, timings and final metrics here")
     p.add_argument("--quiet", action="store_true", help="do not stream text to stdout")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads for the compiled code (default 1: decode is memory-bound, and on a busy "
-                        "machine a second OpenMP thread made SmolLM2 decode 9x slower)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per step of the compiled code (the runtime's num_threads; default: one for "
+                        "decode steps, which are memory-bound and on a busy machine a second OpenMP thread made "
+                        "SmolLM2 decode 9x slower; the cores no other process is running on for prefill chunks)")
     return p.parse_args(argv)
 
 
@@ -323,22 +323,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("error: --max-new-tokens must be >= 0", file=sys.stderr)
         return 2
 
-    if a.threads < 1:
+    if a.threads is not None and a.threads < 1:
         print("error: --threads must be >= 1", file=sys.stderr)
         return 2
-    # Set before the program's .so (and its OpenMP runtime) is loaded, which reads
-    # the variable once; torch's own pool directly. Restored after, for in-process callers.
-    saved_env, saved_threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
-    os.environ["OMP_NUM_THREADS"] = str(a.threads)
-    torch.set_num_threads(a.threads)
-    try:
-        return _generate_main(a, sidecar)
-    finally:
-        torch.set_num_threads(saved_threads)
-        if saved_env is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved_env
+    # The compiled code's threads are the runtime's (num_threads, set per step
+    # and undone after); the host's own torch work (the eager --check) keeps the
+    # process's setting.
+    return _generate_main(a, sidecar)
 
 
 def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
@@ -379,7 +370,7 @@ def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
 
     # Always configure: None restores the export default, so an earlier
     # in-process run's overrides do not leak into this one.
-    rt.configure(initial_capacity=a.initial_capacity, max_capacity=a.max_capacity)
+    rt.configure(initial_capacity=a.initial_capacity, max_capacity=a.max_capacity, num_threads=a.threads)
     t_load = time.perf_counter()
     try:
         # executorch.runtime, or ExecuTorch's C++ Module under another torch (a CUDA image's).

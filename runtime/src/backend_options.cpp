@@ -35,7 +35,9 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
   if (key == "num_threads") {
     const int* v = std::get_if<int>(&opt.value);
     if (v == nullptr || *v < 0 || *v > 1024) {
-      *why = "backend option num_threads must be an int in [0, 1024] (0: one thread for decode steps)";
+      *why = "backend option num_threads must be an int in [0, 1024] (0: the default, one thread), got " +
+             (v == nullptr ? std::string(std::holds_alternative<bool>(opt.value) ? "a bool" : "a string")
+                           : std::to_string(*v));
       return false;
     }
     o->num_threads = size_t(*v);
@@ -137,6 +139,14 @@ Status read_options(Span<BackendOption> options) {
       return Status(Error::InvalidArgument, "unknown backend option '" + key + "'");
     }
   }
+  return Status::ok_status();
+}
+
+Status check_runtime_specs(Span<const BackendOption> runtime_specs) {
+  Overrides per_load;
+  std::string why;
+  for (const BackendOption& opt : runtime_specs)
+    if (!apply_one(opt, &per_load, &why)) return Status(Error::InvalidArgument, "runtime spec: " + why);
   return Status::ok_status();
 }
 

@@ -23,6 +23,9 @@ Status apply_options(Span<BackendOption> options);
 // get_option: report the overrides now in force (0 / "" when unset).
 Status read_options(Span<BackendOption> options);
 
+// The per-load runtime specs a C++ host passes to Module::load, checked as
+// set_option checks its options (a bad one fails the load, naming it).
+Status check_runtime_specs(Span<const BackendOption> runtime_specs);
 // The policy for one load: export defaults, then process-wide overrides, then
 // the per-load runtime specs a C++ host may pass to Module::load.
 GrowthPolicy resolve_policy(const GrowthPolicy& defaults, Span<const BackendOption> runtime_specs);

@@ -147,6 +147,7 @@ Result<DelegateHandle*> OffGraphKVDelegate::init(BackendInitContext& context, Fr
     if (!state->weights) return fail(s, "init");
   }
 
+  if (!(s = check_runtime_specs(context.runtime_specs())).ok()) return fail(s, "init");
   const GrowthPolicy policy = resolve_policy(m.defaults, context.runtime_specs());
   const std::string bad = policy.validate(m.capacity_bound);
   if (!bad.empty()) return fail(Status(Error::InvalidArgument, "load policy: " + bad), "init");

@@ -138,9 +138,10 @@ Status StepExecutor::run_prepared(Span<EValue*> args, size_t width, int64_t* run
   }
   if (m.has_length_input && !(s = io_->stage_length(int64_t(store_->length()), &inputs_[m.length_input])).ok())
     return s;
-  // Decode steps (one token) read every weight once: bandwidth-bound, no faster
-  // with more threads, and far slower when another job holds a core.
-  StepThreads::Scope threads(*threads_, num_threads_ ? num_threads_ : (width == 1 ? 1 : 0));
+  // The load-time option, else the measured default (step_threads.h): one
+  // thread for decode, the free cores for wider steps. Always set (with MKL's
+  // own count), never left to the process: see StepThreads::Scope.
+  StepThreads::Scope threads(*threads_, num_threads_ ? num_threads_ : threads_->automatic(width));
   const int64_t start = now_ns();
   s = program_->run(
       inputs_, io_->stream(),

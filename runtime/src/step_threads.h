@@ -1,16 +1,45 @@
-// How many threads the compiled code's parallel loops use for one step. AOTI
-// CPU code parallelises with OpenMP (the runtime libtorch links); the thread
-// count is per calling thread, so it is set for the step and restored after,
-// leaving the host's own torch work as it was.
+// How many threads the compiled code's parallel loops use for one step.
+//
+// The parallel work of AOTI CPU code is in the ATen kernels it calls (MKL's
+// GEMM / GEMV for fp32 weights, oneDNN for bf16, the fused attention), all on
+// OpenMP (the libgomp that libtorch links); the backend compiles inductor's
+// own kernels serial (backend/aoti_compile.py says why). OpenMP's thread
+// count is per calling thread (the ICV of omp_set_num_threads), and MKL keeps
+// one more per thread: torch.set_num_threads(n) sets mkl_set_num_threads_local(n),
+// which then overrides the OpenMP setting for MKL calls on that thread. So a
+// step sets both on the thread that runs it and restores both after, leaving
+// the host's own torch work as it was. (at::set_num_threads would do both but
+// also clears oneDNN's primitive cache on every call: not per step.)
+//
+// How idle OpenMP threads wait (OMP_WAIT_POLICY, GOMP_SPINCOUNT) is read once
+// when libgomp starts, before any program loads: the runtime cannot change
+// it. And whatever the policy, every parallel loop ends in a barrier that
+// waits for its slowest thread: with another job on the cores, one preempted
+// thread stalls the step for a scheduler time slice, loop after loop. So the
+// default (num_threads unset, `automatic`) is measured, not assumed
+// (benchmarks/cpu/threads.py, SmolLM2-135M on 2 cores, README "CPU threads"):
+// decode steps take one thread (reading every weight once is bandwidth-bound:
+// 2 threads were no faster idle and slower with a busy process per core, up
+// to 20-40x at the worst step while inductor's kernels were parallel too);
+// wider steps take the cores no other process is running on right now
+// (2 threads prefill 1.6x faster idle, 1.6x slower busy, 20x slower when
+// someone else's job held one core).
 #pragma once
 
 #include <cstddef>
 
 namespace offgraph_kv {
 
+// Threads of other processes that are runnable right now (/proc/stat's
+// procs_running less this process's own running threads); -1 when unknown.
+long others_running();
+// The cores this process may run on (its affinity mask).
+size_t usable_cores();
+
 class StepThreads {
  public:
-  // Finds OpenMP through the compiled code's dependencies; without it, a no-op.
+  // Finds OpenMP (and MKL, when libtorch carries it) through the compiled
+  // code's dependencies; without OpenMP, a no-op.
   explicit StepThreads(void* library);
   // `n` threads until destroyed (0: leave as is).
   class Scope {
@@ -22,13 +51,21 @@ class StepThreads {
 
    private:
     const StepThreads& t_;
-    int previous_ = 0;
+    bool active_ = false;
+    int previous_omp_ = 0;
+    int previous_mkl_ = 0;  // 0: MKL followed the global setting
   };
   bool available() const { return set_ != nullptr && get_ != nullptr; }
+  // The default thread count for a step of `width` tokens: 1 for a decode
+  // step; else the caller's OpenMP setting, less the cores other processes
+  // are running on at this moment (at least 1).
+  size_t automatic(size_t width) const;
+  bool controls_mkl() const { return mkl_set_local_ != nullptr; }
 
  private:
   void (*set_)(int) = nullptr;
   int (*get_)() = nullptr;
+  int (*mkl_set_local_)(int) = nullptr;  // returns the previous thread-local count
 };
 
 }  // namespace offgraph_kv

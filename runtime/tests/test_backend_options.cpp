@@ -55,3 +55,37 @@ TEST(growth_option_takes_map_copy_or_auto_and_names_anything_else) {
   CHECK(apply_options({&opt, 1}).ok());  // "" restores the default
   CHECK(resolve_policy(defaults, {}).growth == GrowthMode::Auto);
 }
+
+TEST(num_threads_option_is_checked_and_the_error_names_the_option_and_the_value) {
+  executorch::runtime::BackendOption opt{};
+  std::strcpy(opt.key, "num_threads");
+  opt.value = 2000;
+  Status bad = apply_options({&opt, 1});
+  CHECK(!bad.ok() && bad.message().find("num_threads") != std::string::npos &&
+        bad.message().find("2000") != std::string::npos);
+  opt.value = -1;
+  bad = apply_options({&opt, 1});
+  CHECK(!bad.ok() && bad.message().find("-1") != std::string::npos);
+  std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
+  std::strcpy(text.data(), "2");
+  opt.value = text;
+  bad = apply_options({&opt, 1});
+  CHECK(!bad.ok() && bad.message().find("a string") != std::string::npos);
+  const GrowthPolicy defaults = policy(16, 4096);
+  CHECK(resolve_policy(defaults, {}).num_threads == 0);  // nothing applied
+  opt.value = 2;
+  CHECK(apply_options({&opt, 1}).ok());
+  CHECK(resolve_policy(defaults, {}).num_threads == 2);
+  // Per load: a bad spec is named (the load fails), a good one wins over the process-wide option.
+  executorch::runtime::BackendOption per_load = opt;
+  per_load.value = 4096;
+  Status spec = check_runtime_specs({&per_load, 1});
+  CHECK(!spec.ok() && spec.message().find("num_threads") != std::string::npos &&
+        spec.message().find("4096") != std::string::npos);
+  per_load.value = 1;
+  CHECK(check_runtime_specs({&per_load, 1}).ok());
+  CHECK(resolve_policy(defaults, {&per_load, 1}).num_threads == 1);
+  opt.value = 0;
+  CHECK(apply_options({&opt, 1}).ok());
+  CHECK(resolve_policy(defaults, {}).num_threads == 0);
+}
