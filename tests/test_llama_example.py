@@ -344,6 +344,15 @@ def _toy_model() -> Transformer:
     return init_deterministic(Transformer(args), seed=0).eval()
 
 
+def test_rope_frequencies_stay_fp32_when_the_weights_are_cast() -> None:
+    fp32 = _toy_model()
+    for dtype in (torch.bfloat16, torch.float16):
+        cast = _toy_model().to(dtype)
+        assert cast.tok_embeddings.weight.dtype == dtype
+        assert cast.inv_freq.dtype == torch.float32
+        assert torch.equal(cast.inv_freq, fp32.inv_freq)
+
+
 def test_export_writes_a_sidecar_and_no_kv_bytes(toy_pte: Path, capsys: pytest.CaptureFixture) -> None:
     side = json.loads(export.sidecar_path(toy_pte).read_text())
     assert side["max_write"] == 16 and side["storage_dtype"] == "fp32"
