@@ -78,6 +78,27 @@ def test_quantized_weights_are_stored_as_integers_outside_the_code(quantized_pte
     assert side["kv_bytes_in_file"] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linears_run_by_the_int8_gemm_give_torchao_eager_results(dtype: torch.dtype) -> None:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    def model() -> Transformer:
+        args = ModelArgs(dim=96, n_layers=1, n_heads=6, n_kv_heads=2, vocab_size=64, multiple_of=32)
+        return init_deterministic(Transformer(args), seed=4).eval().to(dtype)
+
+    ours, theirs = model(), model()
+    quantize_model(ours, "int8")
+    quantize_(theirs, Int8WeightOnlyConfig())  # torchao's own tensor: dequantize, then a float matmul
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(0)).to(dtype)
+    for name in ("attention.wq", "attention.wv", "feed_forward.w2"):
+        a, b = ours.layers[0].get_submodule(name), theirs.layers[0].get_submodule(name)
+        assert type(a).__name__ == "Int8RowLinear" and a.qdata.dtype == torch.int8
+        inp = x if a.in_features == 96 else torch.randn(3, 5, a.in_features).to(dtype)
+        want = b(inp).float()
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(a(inp).float(), want, atol=tol * float(want.abs().max()), rtol=0)
+
+
 def test_quantize_names_an_unknown_scheme_and_a_group_size_that_does_not_divide(tmp_path: Path,
                                                                                capsys: pytest.CaptureFixture) -> None:
     model = init_deterministic(Transformer(ModelArgs(dim=96, n_layers=1, n_heads=6, n_kv_heads=2, vocab_size=64)), seed=0)

@@ -5,7 +5,8 @@ Both schemes keep activations in the model's dtype and quantize every
 the dequantize-and-multiply, and the quantized weights are what the .pte
 carries outside the code (int8 bytes plus scales):
 
-- ``int8``: one scale per output row (torchao ``Int8WeightOnlyConfig``);
+- ``int8``: one scale per output row (torchao ``Int8WeightOnlyConfig``), then
+  each quantized linear is run by ATen's int8 GEMM (``Int8RowLinear``);
 - ``int4``: values in [-8, 7] with one scale per ``group_size`` inputs
   (torchao ``IntxWeightOnlyConfig(weight_dtype=torch.int4, PerGroup)``, the
   layout torchao exports for CPU). Each value is stored in a byte, so int4
@@ -25,6 +26,9 @@ from typing import Dict, Optional
 import torch
 
 SCHEMES = ("int8", "int4")
+# ATen ops outside the core opset that quantized models call (the exporter
+# admits them: ``EdgeCompileConfig(_core_aten_ops_exception_list=...)``).
+EXTRA_ATEN_OPS = (torch.ops.aten._weight_int8pack_mm.default,)
 DEFAULT_GROUP_SIZE = 32
 
 
@@ -52,17 +56,53 @@ def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: in
     else:
         config = Int8WeightOnlyConfig()
     quantize_(model, config)
+    if scheme == "int8":
+        _use_int8_gemm(model)
     return {"scheme": scheme, "group_size": group_size if scheme == "int4" else None,
             "linears": len(linears), "torchao": importlib.metadata.version("torchao")}
 
 
+class Int8RowLinear(torch.nn.Module):
+    """A torchao int8 weight-only linear run by ATen's int8 GEMM
+    (``aten._weight_int8pack_mm``: int8 weights read as stored, one scale per
+    output row applied to the dot products), which AOTInductor calls through
+    its C shim. The generic lowering of torchao's tensor dequantized every
+    weight to floats on every step: SmolLM2 decoded at half fp32's speed."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qdata.shape
+        self.register_buffer("qdata", qdata.contiguous())
+        self.register_buffer("scale", scale.reshape(-1).contiguous())  # the activations' dtype, as the kernel needs
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qdata, self.scale)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def _use_int8_gemm(model: torch.nn.Module) -> None:
+    """Swap every linear torchao quantized to int8 for an ``Int8RowLinear`` of the same values."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            w = getattr(child, "weight", None) if isinstance(child, torch.nn.Linear) else None
+            if w is None or not hasattr(w, "qdata"):
+                continue
+            zero = getattr(w, "zero_point", None)
+            if zero is not None and bool(zero.any()):
+                raise ValueError(f"quantize int8: {name} has nonzero zero points; the int8 GEMM is symmetric")
+            act = getattr(w, "dtype", torch.float32)  # the dtype the linear computes in
+            setattr(parent, name, Int8RowLinear(w.qdata, w.scale.to(act), child.bias))
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's weights as stored (a quantized weight: its integer data plus scales)."""
+    """Bytes of the model's weights and buffers as stored (a quantized weight: its integer data plus scales)."""
     def nbytes(t: torch.Tensor) -> int:
         names, _ = t.__tensor_flatten__() if hasattr(t, "__tensor_flatten__") else ([], None)
         if names:  # a torchao tensor subclass: the plain tensors it is made of
             return sum(nbytes(getattr(t, n)) for n in names)
         return t.numel() * t.element_size()
 
-    seen = {id(p): p for p in model.parameters()}
-    return sum(nbytes(p.data if isinstance(p, torch.nn.Parameter) else p) for p in seen.values())
+    seen = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # int8 GEMM weights are buffers
+    return sum(nbytes(t.data if isinstance(t, torch.nn.Parameter) else t) for t in seen.values())
