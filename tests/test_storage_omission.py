@@ -16,14 +16,14 @@ def _longest_zero_run(data: bytes) -> int:
 
 def test_pte_size_does_not_depend_on_max_capacity(pte_factory):
     small = pte_factory(storage_dtype=torch.bfloat16, max_capacity=1024).read_bytes()
-    large = pte_factory(storage_dtype=torch.bfloat16, max_capacity=65536).read_bytes()
+    large = pte_factory(storage_dtype=torch.bfloat16, max_capacity=1 << 20).read_bytes()
     m_small = Manifest.from_bytes(small[small.index(b"OGKV") - 4:])
     m_large = Manifest.from_bytes(large[large.index(b"OGKV") - 4:])
-    assert (m_small.max_capacity, m_large.max_capacity) == (1024, 65536)
+    assert (m_small.max_capacity, m_large.max_capacity) == (1024, 1 << 20)
     # Only the manifest's integers differ: equal sizes (both fit the same field width).
     assert len(small) == len(large)
-    kv_at_64k = 65536 * m_large.kv_bytes_per_token()
-    assert kv_at_64k > 10 * len(large), "the test model must make a baked-in cache impossible to miss"
+    kv_at_max = (1 << 20) * m_large.kv_bytes_per_token()
+    assert kv_at_max > 10 * len(large), "the test model must make a baked-in cache impossible to miss"
 
 
 def test_pte_holds_no_kv_sized_zero_block(pte_factory):
