@@ -31,6 +31,7 @@ from tokenizer import BYTE_VOCAB_SIZE  # noqa: E402
 
 SHAPE = ["--tiny", "--dim", "96", "--n-layers", "2", "--n-heads", "6", "--n-kv-heads", "2", "--sliding-windows", "0,12"]
 PROMPT = "Quantized weights, the same answers: 0123456789."
+TOL_BF16 = 0.1  # compiled bf16 against eager bf16: rounding of fused kernels, not of the quantization
 
 
 def _unquantized_bytes() -> int:
@@ -38,10 +39,12 @@ def _unquantized_bytes() -> int:
     return weight_bytes(init_deterministic(Transformer(args), seed=0))
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+# int8 in a bf16 model (the int8 GEMM), int4 in an fp32 one (torchao's dequantize and matmul).
+@pytest.fixture(scope="module", params=[("int8", "bf16"), ("int4", "fp32")], ids=["int8-bf16", "int4-fp32"])
 def quantized_pte(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp(f"quantized_{request.param}") / "q.pte"
-    rc = export.main(["--out", str(out), *SHAPE, "--quantize", request.param, "--group-size", "32",
+    scheme, dtype = request.param
+    out = tmp_path_factory.mktemp(f"quantized_{scheme}") / "q.pte"
+    rc = export.main(["--out", str(out), *SHAPE, "--quantize", scheme, "--group-size", "32", "--dtype", dtype,
                       "--storage-dtype", "fp32", "--initial-capacity", "16", "--max-write", "8", "--quiet"])
     assert rc == 0
     return out
@@ -58,9 +61,14 @@ def test_quantized_program_generates_the_torchao_eager_models_tokens_and_logits(
                    "--check", "--json", str(report), "--quiet"])
     assert rc == 0
     r = json.loads(report.read_text())
-    # The eager reference is rebuilt from the sidecar and quantized the same way.
-    assert r["check"]["argmax_mismatches"] == 0, r["check"]
-    assert r["check"]["max_abs_diff"] < 1e-4, r["check"]
+    # The eager reference is rebuilt from the sidecar and quantized the same way
+    # (teacher-forced on the program's tokens). In bf16 the two round differently
+    # (fused kernels keep fp32 inside), so an argmax may flip where two logits
+    # of this random model are within that rounding of each other.
+    if _sidecar(quantized_pte)["weights_dtype"] == "bf16":
+        assert r["check"]["max_abs_diff"] < TOL_BF16 and r["check"]["argmax_mismatches"] <= 3, r["check"]
+    else:
+        assert r["check"]["max_abs_diff"] < 1e-4 and r["check"]["argmax_mismatches"] == 0, r["check"]
     assert r["metrics"]["growths"] >= 2  # prompt and answer cross 16 -> 32 -> 64 -> 128 rows
     assert [layer["kind"] for layer in r["metrics"]["layers"]] == ["flat", "ring"]
 
@@ -78,8 +86,8 @@ def test_quantized_weights_are_stored_as_integers_outside_the_code(quantized_pte
     assert side["kv_bytes_in_file"] == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linears_run_by_the_int8_gemm_give_torchao_eager_results(dtype: torch.dtype) -> None:
+def test_int8_linears_of_a_bf16_model_run_by_the_int8_gemm_give_torchao_eager_results() -> None:
+    dtype = torch.bfloat16
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     def model() -> Transformer:
@@ -95,8 +103,7 @@ def test_int8_linears_run_by_the_int8_gemm_give_torchao_eager_results(dtype: tor
         assert type(a).__name__ == "Int8RowLinear" and a.qdata.dtype == torch.int8
         inp = x if a.in_features == 96 else torch.randn(3, 5, a.in_features).to(dtype)
         want = b(inp).float()
-        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-        torch.testing.assert_close(a(inp).float(), want, atol=tol * float(want.abs().max()), rtol=0)
+        torch.testing.assert_close(a(inp).float(), want, atol=2 ** -7 * float(want.abs().max()), rtol=0)
 
 
 def test_quantize_names_an_unknown_scheme_and_a_group_size_that_does_not_divide(tmp_path: Path,
