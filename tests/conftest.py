@@ -12,8 +12,16 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Sequence, Tuple
 
-import pytest
-import torch
+# One OpenMP thread per step unless a test asks for more (num_threads): the
+# runtime's default gives a prefill chunk the cores no other process is using
+# at that moment, and MKL's sums on 1 and on 2 threads differ in the last bit,
+# so on a machine whose load changes (CI beside other jobs) the tests that
+# compare two runs bit for bit would compare different thread counts. Set
+# before torch loads libgomp, which reads it once; inherited by child processes.
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # AOTI checks inputs against the compiled bounds only when asked to.
 os.environ.setdefault("AOTI_RUNTIME_CHECK_INPUTS", "1")
