@@ -46,23 +46,11 @@ def _symbolic_wrapper() -> str:
     # -fno-gnu-unique: g++ emits template and inline statics as STB_GNU_UNIQUE,
     # which the dynamic linker binds process-wide: two programs loaded side by
     # side would share one instance of each (inductor's error flag among them).
-    # Each object file once per link: with embedded kernel binaries, AOTInductor
-    # (torch 2.11) can list one user-defined Triton kernel's cubin object twice
-    # when several call sites share it (seen on a 16-layer program: "multiple
-    # definition of ___update_attend_partial_9_start"); linking an object twice
-    # is never meant, so the wrapper drops the repeats.
     script = (
         "#!/bin/sh\n"
-        'shared=0; for a in "$@"; do [ "$a" = "-shared" ] && shared=1; done\n'
-        f'[ $shared = 1 ] || exec "{real}" "$@" -fno-gnu-unique\n'
-        'n=$#; i=0; seen=" "\n'
-        'while [ $i -lt $n ]; do\n'
-        '  a=$1; shift; i=$((i + 1))\n'
-        '  case "$a" in *.o) case "$seen" in *" $a "*) continue;; esac; seen="$seen$a ";; esac\n'
-        '  set -- "$@" "$a"\n'
-        'done\n'
-        f'exec "{real}" "$@" -fno-gnu-unique -Wl,-Bsymbolic\n'
-    )
+        'for a in "$@"; do [ "$a" = "-shared" ] && exec "%s" "$@" -fno-gnu-unique -Wl,-Bsymbolic; done\n'
+        'exec "%s" "$@" -fno-gnu-unique\n'
+    ) % (real, real)
     wrapper = os.path.join(inductor_cache_dir(), "g++-bsymbolic")
     try:
         with open(wrapper) as f:
@@ -79,19 +67,37 @@ def _symbolic_wrapper() -> str:
     return wrapper
 
 
+def embed_each_kernel_in_its_own_object() -> None:
+    """Give every embedded GPU kernel its own object file (this process's inductor).
+
+    torch 2.11 embeds a kernel's cubin by converting it to ``<cubin>.o`` with
+    symbols named after the kernel (``convert_cubin_to_obj``). Kernels of
+    identical code (one Triton kernel called from many layers, under several
+    names) share one content-named cubin, so each conversion overwrote the
+    previous kernel's object: the link listed one object twice ("multiple
+    definition of ___update_attend_partial_9_start") or, once deduplicated,
+    left the other names undefined at load. Converting a copy per kernel name
+    fixes both. Newer torch batches the cubins into one object and needs nothing.
+    """
+    from torch._inductor import codecache
+
+    convert = getattr(codecache, "convert_cubin_to_obj", None)
+    if convert is None or getattr(convert, "_offgraph_kv", False):
+        return
+
+    def convert_own_copy(cubin_file: str, kernel_name: str, *args, **kwargs) -> str:  # noqa: ANN002, ANN003
+        own = f"{cubin_file}.{kernel_name}.cubin"
+        shutil.copyfile(cubin_file, own)
+        return convert(own, kernel_name, *args, **kwargs)
+
+    convert_own_copy._offgraph_kv = True  # type: ignore[attr-defined]
+    codecache.convert_cubin_to_obj = convert_own_copy
+
+
 _SUBPROCESS_COMPILE = """
 import os, sys, torch
-_remove = os.remove
-def _remove_object_once(path, *args, **kwargs):
-    # torch 2.11 lists a Triton kernel shared by several call sites twice among
-    # the objects it links (the g++ wrapper links it once), then deletes every
-    # listed object: the second delete of the same .o finds nothing.
-    try:
-        _remove(path, *args, **kwargs)
-    except FileNotFoundError:
-        if not str(path).endswith(".o"):
-            raise
-os.remove = _remove_object_once  # this process only compiles
+from offgraph_kv.backend.aoti_compile import embed_each_kernel_in_its_own_object
+embed_each_kernel_in_its_own_object()
 import executorch.exir.passes.dim_order_ops_registry  # ops edge dialect leaves in the graph
 from offgraph_kv.backend.attention import COMPILE_DECOMPOSITIONS
 import offgraph_kv.backend.triton_attention  # registers offgraph_kv::update_attend before the program loads

@@ -1,8 +1,8 @@
 """Attention over the delegate's private storage, as the compiled step runs it.
 
 A flat layer's step never builds a mask over its history. (CUDA programs with
-16-bit storage exported with ``OFFGRAPH_KV_CUDA_ATTENTION=triton`` attend
-through our own kernels instead, ``triton_attention.py``; what follows is every
+16-bit storage attend through our own kernels instead, ``triton_attention.py``,
+unless exported with ``OFFGRAPH_KV_CUDA_ATTENTION=torch``; what follows is every
 other program's path.)
 
 - CUDA, 16-bit storage: one flash-attention call over all S rows with flash's

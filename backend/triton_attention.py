@@ -67,22 +67,22 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 _DEFAULT_SMS = 132  # an H200's count, for tracing off the GPU (the interpreter tests)
 
-# Set to "triton" at export to lower CUDA 16-bit programs through these kernels.
-# Opt-in for now: on the H200 (torch 2.11) a 16-layer program failed to link
-# (AOTInductor lists a kernel shared by several call sites twice, and the
-# embedded cubin of one kernel variant went missing: "undefined symbol
-# ___update_attend_partial_9_start"), while toy programs pass the oracle tests.
+# At export, "torch" keeps CUDA 16-bit programs on torch's attention ops (the
+# path before these kernels, kept for comparison); "triton", the default, uses
+# these kernels wherever they apply.
 ENV_SWITCH = "OFFGRAPH_KV_CUDA_ATTENTION"
 
 
 def kernels_apply(device: str, storage_dtype: torch.dtype) -> bool:
     """Whether a program for ``device`` with this storage dtype attends through these kernels.
 
-    CUDA with 16-bit storage, and only when asked (``OFFGRAPH_KV_CUDA_ATTENTION=triton``):
-    every other program keeps the torch path.
+    CUDA with 16-bit storage, where Triton is installed, unless
+    ``OFFGRAPH_KV_CUDA_ATTENTION=torch``: every other program keeps the torch path.
     """
-    return (HAVE_TRITON and device == "cuda" and storage_dtype in (torch.bfloat16, torch.float16)
-            and os.environ.get(ENV_SWITCH, "torch") == "triton")
+    choice = os.environ.get(ENV_SWITCH, "triton")
+    if choice not in ("triton", "torch"):
+        raise ValueError(f"{ENV_SWITCH} must be 'triton' (the default) or 'torch', got {choice!r}")
+    return HAVE_TRITON and device == "cuda" and storage_dtype in (torch.bfloat16, torch.float16) and choice == "triton"
 
 
 def _multiprocessors(device: torch.device) -> int:

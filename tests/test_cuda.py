@@ -186,7 +186,7 @@ def test_cuda_million_row_reservation_for_an_8b_shaped_store_costs_no_device_mem
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_cuda_kernels_mixed_ring_and_flat_layers_match_oracle(model, dtype, tmp_path, monkeypatch):
-    # 16-bit storage on CUDA attends through our Triton kernels when asked (one
+    # 16-bit storage on CUDA attends through our Triton kernels (the default; one
     # op per layer: write at the length read from device memory, then attend):
     # rings of 6 and 16 beside a flat layer, prompt chunks that straddle wraps and growths.
     monkeypatch.setenv("OFFGRAPH_KV_CUDA_ATTENTION", "triton")

@@ -14,6 +14,8 @@ the file cold with plain ``read`` is timed as the floor.
 
     python -m benchmarks.cpu.weights --shapes small,1b --out benchmarks/results/weights_cpu.json
     python -m benchmarks.cpu.weights --device cuda --shapes 1b --variants outside   # on the H200
+    python -m benchmarks.cpu.weights --device cuda --shapes 8b --variants outside \
+        --contexts 1024,8192,32768 --out benchmarks/results/weights_cuda_8b_h200.json  # decode vs context
     python -m benchmarks.cpu.weights --plot OUT.png RESULT.json...                  # memory after load / weights
 """
 
@@ -109,8 +111,39 @@ def export(shape: str, device: str, out: str) -> Dict[str, object]:
             "export_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def measure(path: str, decode_steps: int) -> Dict[str, object]:
-    """In its own process: load cold, one prefill step, a few decode steps."""
+# Bytes per second the decode floor assumes (issue 14: weight bytes + KV bytes read per token / this).
+H200_BYTES_PER_S = 4.3e12
+MAX_WRITE = 64  # the export's widest step (dynamic_shapes below)
+
+
+def _decode_at_contexts(method: object, token: "object", length: int, contexts: List[int], steps: int,
+                        synchronize: object) -> List[Dict[str, float]]:
+    """Fill the store to each context with the widest steps, then time ``steps`` decode steps there."""
+    import torch
+
+    rows = []
+    for ctx in contexts:
+        while length < ctx - 1:
+            n = min(MAX_WRITE, ctx - 1 - length)
+            ids = (torch.arange(length, length + n, dtype=torch.long) % 1000).unsqueeze(0)
+            method.execute([ids, torch.arange(length, length + n, dtype=torch.long).unsqueeze(-1)])
+            length += n
+        times = []
+        for _ in range(steps):
+            synchronize()
+            t0 = time.perf_counter()
+            out = method.execute([token, torch.tensor([[length]], dtype=torch.long)])[0]
+            times.append(time.perf_counter() - t0)
+            token = out[:, -1:].argmax(-1)
+            length += 1
+        times.sort()
+        rows.append({"context": ctx, "decode_ms_median": 1e3 * times[len(times) // 2],
+                     "decode_ms_min": 1e3 * times[0], "finite_logits": bool(torch.isfinite(out).all())})
+    return rows
+
+
+def measure(path: str, decode_steps: int, contexts: "List[int] | None" = None) -> Dict[str, object]:
+    """In its own process: load cold, one prefill step, a few decode steps (and decode at each context)."""
     import torch
 
     import offgraph_kv.runtime
@@ -142,7 +175,9 @@ def measure(path: str, decode_steps: int) -> Dict[str, object]:
         token = out[:, -1:].argmax(-1)
     metrics = offgraph_kv.runtime.stores()[-1].metrics()
     times.sort()
-    return {"load_s": load_s, "first_step_s": first_step_s, "decode_ms_median": 1e3 * times[len(times) // 2],
+    sweep = _decode_at_contexts(method, token, 16 + decode_steps, contexts, max(decode_steps, 20),
+                                torch.cuda.synchronize if cuda else (lambda: None)) if contexts else []
+    return {"decode_at_context": sweep, "load_s": load_s, "first_step_s": first_step_s, "decode_ms_median": 1e3 * times[len(times) // 2],
             "rss_before": before, "rss_after_load": after_load, "rss_after_first_step": after_step,
             "device_used_added_at_load": dev_after_load - dev_before, "kv_allocated_bytes": metrics["allocated_bytes"],
             "finite_logits": bool(torch.isfinite(out).all())}
@@ -157,7 +192,10 @@ def _child(args: List[str], env: Dict[str, str], timeout: int) -> Dict[str, obje
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(shapes: List[str], variants: List[str], device: str, workdir: Path, decode_steps: int) -> Dict[str, object]:
+def run(shapes: List[str], variants: List[str], device: str, workdir: Path, decode_steps: int,
+        contexts: "List[int] | None" = None, build_only: bool = False, reuse: bool = False) -> Dict[str, object]:
+    """Export and measure each shape and variant; ``build_only`` keeps the programs
+    (and their export records) in ``workdir`` for a later ``reuse`` run, which measures them."""
     workdir.mkdir(parents=True, exist_ok=True)
     results: List[Dict[str, object]] = []
     for shape in shapes:
@@ -169,16 +207,23 @@ def run(shapes: List[str], variants: List[str], device: str, workdir: Path, deco
                 env["OFFGRAPH_KV_WEIGHTS_IN_CODE"] = "1"
             pte = workdir / f"{shape}_{variant}.pte"
             row: Dict[str, object] = {"shape": shape, "variant": variant, "device": device}
-            print(f"[{shape} {variant}] export ...", flush=True)
-            row["export"] = _child(["_export", shape, device, str(pte)], env, 3600)
-            if "error" not in row["export"]:
+            record = pte.with_suffix(".export.json")
+            if reuse and pte.exists() and record.exists():
+                row["export"] = json.loads(record.read_text())
+            else:
+                print(f"[{shape} {variant}] export ...", flush=True)
+                row["export"] = _child(["_export", shape, device, str(pte)], env, 3600)
+                record.write_text(json.dumps(row["export"]))
+            if "error" not in row["export"] and not build_only:
                 row["pte_bytes"] = pte.stat().st_size
                 row["code_bytes"] = _code_bytes(str(pte))
                 row["cold_read_s"] = _cold_read_seconds(str(pte))
                 print(f"[{shape} {variant}] measure ...", flush=True)
-                row["run"] = _child(["_measure", str(pte), str(decode_steps)], env, 1800)
+                row["run"] = _child(["_measure", str(pte), str(decode_steps), ",".join(map(str, contexts or []))],
+                                    env, 1800)
                 _summarise(row)
                 pte.unlink()
+                record.unlink()
             print(json.dumps(row, indent=1), flush=True)
             results.append(row)
     from benchmarks.lib import machine
@@ -202,6 +247,15 @@ def _summarise(row: Dict[str, object]) -> None:
         "device_added_at_load_over_weights": r["device_used_added_at_load"] / w,
         "load_plus_first_step_over_cold_read": (r["load_s"] + r["first_step_s"]) / row["cold_read_s"],
     }
+    shape = SHAPES[row["shape"]]
+    # K and V rows of every layer, bf16: what one decode step reads per token of context.
+    kv_per_token = 2 * shape["n_layers"] * shape["n_kv_heads"] * (shape["dim"] // shape["n_heads"]) * 2
+    for c in r.get("decode_at_context", []):
+        c["bytes_read"] = w + kv_per_token * c["context"]
+        c["floor_ms"] = 1e3 * c["bytes_read"] / H200_BYTES_PER_S
+        c["over_floor"] = c["decode_ms_median"] / c["floor_ms"]
+        print(f"[{row['shape']}] decode at {c['context']:>6}: {c['decode_ms_median']:.3f} ms/token, "
+              f"floor {c['floor_ms']:.3f} ms ({c['over_floor']:.2f}x)", flush=True)
 
 
 def plot(result_files: List[Path], path: Path) -> Path:
@@ -245,17 +299,26 @@ def main(argv: "List[str] | None" = None) -> int:
         print(json.dumps(export(argv[1], argv[2], argv[3])))
         return 0
     if argv and argv[0] == "_measure":
-        print(json.dumps(measure(argv[1], int(argv[2]))))
+        contexts = [int(c) for c in argv[3].split(",") if c] if len(argv) > 3 else []
+        print(json.dumps(measure(argv[1], int(argv[2]), contexts)))
         return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="small,1b")
     p.add_argument("--variants", default="in-code,outside")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--contexts", default="", help="also time decode at these contexts, e.g. 1024,8192,32768")
     p.add_argument("--workdir", default="/tmp/offgraph_kv_weights_bench")
+    p.add_argument("--build-only", action="store_true", help="export and keep the programs for a later --reuse")
+    p.add_argument("--reuse", action="store_true", help="measure programs a --build-only run left in --workdir")
     p.add_argument("--out", default=str(RESULTS / "weights_cpu.json"))
     a = p.parse_args(argv)
-    report = run(a.shapes.split(","), a.variants.split(","), a.device, Path(a.workdir), a.decode_steps)
+    contexts = [int(c) for c in a.contexts.split(",") if c]
+    report = run(a.shapes.split(","), a.variants.split(","), a.device, Path(a.workdir), a.decode_steps, contexts,
+                 a.build_only, a.reuse)
+    if a.build_only:
+        print(f"built in {a.workdir}")
+        return 0
     Path(a.out).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {a.out}")
     return 0

@@ -272,7 +272,7 @@ def main(argv: "list[str] | None" = None) -> int:
                "--build-only", str(ptes["torch"])]
         child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         t0 = time.perf_counter()
-        os.environ["OFFGRAPH_KV_CUDA_ATTENTION"] = "triton"  # opt-in (triton_attention.ENV_SWITCH)
+        os.environ["OFFGRAPH_KV_CUDA_ATTENTION"] = "triton"  # the default, said explicitly (triton_attention.ENV_SWITCH)
         try:
             result["build_triton"] = _build(shape, capacity, ptes["triton"])
             print(f"built triton path: {result['build_triton']}", flush=True)

@@ -12,6 +12,8 @@
 #                                               # reuses /tmp/long/long_run.pte: `long_run --build-only` in an earlier run)
 #   bash benchmarks/device/gpu_run.sh sessions  # sessions, rewind, saved contexts and map growth on CUDA, + builds the long-run program
 #   bash benchmarks/device/gpu_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
+#   bash benchmarks/device/gpu_run.sh 8b-build  # exports the Llama-3-8B-shaped program to /tmp/w8b (~8 min)
+#   bash benchmarks/device/gpu_run.sh 8b        # ... then load it cold and time decode at 1K / 8K / 32K (~2 min)
 # A second argument, where a mode takes one, is its layer count (long: its token count).
 # Environment (all optional):
 #   OUT            where the outputs go (default build/gpu_run)
@@ -98,6 +100,13 @@ case "${1:-tests}" in
       --basetemp=/tmp/pt -rs --junitxml="$OUT/cuda_sessions_${TAG}.junit.xml" > "$OUT/pytest_sessions.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/pytest_sessions.txt" | tail -5
     wait
+    ;;
+  8b-build|8b)
+    export AOTI_RUNTIME_CHECK_INPUTS=0
+    flag=--reuse; [ "$1" = 8b-build ] && flag=--build-only
+    timeout $(time_left 10) python3 -m benchmarks.cpu.weights --device cuda --shapes 8b --variants outside \
+      --contexts 1024,8192,32768 --workdir /tmp/w8b $flag --out "$OUT/weights_cuda_8b_${TAG}.json" > "$OUT/w8b.txt" 2>&1
+    grep -E "decode at|error|built|load_s|device_used_added" "$OUT/w8b.txt" | cut -c1-300
     ;;
   growth)
     python3 -m benchmarks.cuda.growth --out "$OUT/cuda_growth_${TAG}.json" > "$OUT/growth.txt" 2>&1
