@@ -174,10 +174,12 @@ def validate_manifest(manifest: Manifest, compiled: ExportedProgram) -> None:
             )
 
 
-def compiled_interface(compiled: ExportedProgram, width_bound: int, weights_in_code: bool) -> CompiledInterface:
+def compiled_interface(compiled: ExportedProgram, width_bound: int, weights_in_code: bool,
+                       lengths_from_device: bool = False) -> CompiledInterface:
     """What the compiled code takes, read from the program AOTInductor compiled:
     the runtime checks the manifest against this, so it must not come from the
-    manifest."""
+    manifest. ``lengths_from_device``: every layer attends through our kernels,
+    which read the length from device memory (``triton_attention.py``)."""
     names = set(compiled.graph_signature.user_inputs)
     inputs = []
     for node in compiled.graph.nodes:
@@ -186,7 +188,8 @@ def compiled_interface(compiled: ExportedProgram, width_bound: int, weights_in_c
         val = node.meta["val"]
         sizes = tuple(-1 if isinstance(n, torch.SymInt) else int(n) for n in val.shape)
         inputs.append((SCALAR_TYPES[val.dtype], sizes))
-    return CompiledInterface(tuple(inputs), len(compiled.graph_signature.user_outputs), width_bound, weights_in_code)
+    return CompiledInterface(tuple(inputs), len(compiled.graph_signature.user_outputs), width_bound, weights_in_code,
+                             lengths_from_device)
 
 
 class OffGraphKVBackend(BackendDetails):
@@ -244,7 +247,7 @@ class OffGraphKVBackend(BackendDetails):
             check_weights_are_read_only(compiled_ep)
         code = compile_shared_object(compiled_ep, examples + private, device, weights_in_code=weights_in_code)
         so_bytes = code.so_bytes
-        interface = compiled_interface(compiled_ep, width_bound, weights_in_code).to_bytes()
+        interface = compiled_interface(compiled_ep, width_bound, weights_in_code, lengths_from_device=kernels).to_bytes()
         # One digest over the code and what it takes: the load verifies both.
         code_key = "offgraph_kv_" + hashlib.sha256(so_bytes + interface).hexdigest()[:32] + "_so"
 

@@ -40,6 +40,7 @@ def configure(
     rewind_budget: Optional[int] = None,
     num_threads: Optional[int] = None,
     growth: Optional[str] = None,
+    cuda_graphs: Optional[bool] = None,
 ) -> None:
     """Override the export-time growth policy (and the rings' rewind budget:
     extra slots that let a ring layer be rewound further) for methods loaded
@@ -52,6 +53,11 @@ def configure(
     falling back to copying where the device cannot (the store's metrics say
     which is in effect and why); ``"copy"`` grows into a new arena and copies;
     ``"auto"`` (the default) picks what measured better on the device.
+    ``cuda_graphs`` (default on): a CUDA method whose attention reads the
+    length from device memory captures its decode step as a CUDA graph after
+    one warm-up step and replays it from then on (again after a copy growth
+    moves the storage); ``False`` runs every step uncaptured. The store's
+    metrics count ``graph_captures`` and ``graph_replays``.
 
     Goes through ExecuTorch's backend-options mechanism (``set_option``), so a
     C++ host does the same with ``executorch::runtime::set_option``. ``None``
@@ -61,6 +67,8 @@ def configure(
     check_growth_policy(initial_capacity, max_capacity, growth_factor, rewind_budget)
     if num_threads is not None and not 1 <= int(num_threads) <= 1024:
         raise ValueError(f"num_threads must be in [1, 1024], got {num_threads}")
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
     if growth is not None and growth not in ("map", "copy", "auto"):
         raise ValueError(f"growth must be 'map', 'copy' or 'auto', got {growth!r}")
     set_options(
@@ -70,6 +78,7 @@ def configure(
         -1 if rewind_budget is None else int(rewind_budget),
         int(num_threads or 0),
         growth or "",
+        "" if cuda_graphs is None else ("on" if cuda_graphs else "off"),
     )
 
 

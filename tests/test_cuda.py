@@ -19,6 +19,7 @@ from executorch.extension.llm.cache.reference_cache import LayerPolicy
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 TOL = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+MIXED = (LayerPolicy.ring(6), LayerPolicy.flat(), LayerPolicy.ring(16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
@@ -190,7 +191,7 @@ def test_cuda_kernels_mixed_ring_and_flat_layers_match_oracle(model, dtype, tmp_
     # op per layer: write at the length read from device memory, then attend):
     # rings of 6 and 16 beside a flat layer, prompt chunks that straddle wraps and growths.
     monkeypatch.setenv("OFFGRAPH_KV_CUDA_ATTENTION", "triton")
-    layers = (LayerPolicy.ring(6), LayerPolicy.flat(), LayerPolicy.ring(16))
+    layers = MIXED
     path = tmp_path / "kernels.pte"
     path.write_bytes(lower(model, device="cuda", storage_dtype=dtype, initial_capacity=8, layers=layers, max_write=8))
     assert b"_update_attend_partial" in path.read_bytes(), "the program does not embed the Triton kernels"
@@ -206,6 +207,76 @@ def test_cuda_kernels_mixed_ring_and_flat_layers_match_oracle(model, dtype, tmp_
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
         nxt = greedy(want)
     assert session.store.length == 61
+
+
+@pytest.mark.parametrize("growth", ["map", "copy"])
+def test_cuda_decode_graph_replays_give_the_uncaptured_logits_bit_for_bit(pte_factory, model, growth):
+    # 16-bit storage attends through our kernels, which read the length from
+    # device memory: decode steps are captured once and replayed. Across ring
+    # wraps, growths (copy growth moves the storage: a new capture), a rewind
+    # and a wider step between decode steps, every replay must give exactly the
+    # uncaptured step's logits, and both the oracle's.
+    path = pte_factory(device="cuda", storage_dtype=torch.bfloat16, initial_capacity=8, layers=MIXED, max_write=8)
+    graphed = load_configured(path, growth=growth)
+    plain = load_configured(path, growth=growth, cuda_graphs=False)
+    oracle = Oracle(model, torch.bfloat16, layers=MIXED)
+    tokens = prompt(13, seed=5)
+    for chunk in (tokens[:, :8], tokens[:, 8:]):
+        torch.testing.assert_close(graphed.step(chunk), plain.step(chunk), atol=0, rtol=0)
+        want = oracle.step(chunk)
+    nxt, decode_steps = greedy(want), 0
+    for i in range(70):  # lengths 13 -> 83: flat capacity 16 -> 32 -> 64 -> 128, rings wrap many times
+        if i == 30:  # a 3-token step between decode steps runs uncaptured; decoding replays again after it
+            chunk = prompt(3, seed=11)
+            torch.testing.assert_close(graphed.step(chunk), plain.step(chunk), atol=0, rtol=0)
+            want = oracle.step(chunk)
+            nxt = greedy(want)
+        got, ref = graphed.step(nxt), plain.step(nxt)
+        decode_steps += 1
+        assert torch.equal(got, ref), f"decode step {i}: the replayed graph's logits differ from the uncaptured step's"
+        want = oracle.step(nxt)
+        torch.testing.assert_close(got, want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+        nxt = greedy(want)
+    g, p = graphed.store.metrics(), plain.store.metrics()
+    assert (p["graph_captures"], p["graph_replays"]) == (0, 0)
+    assert g["growth"] == growth and g["length"] == p["length"] == 86
+    assert g["graph_replays"] == decode_steps - 1  # all but the first decode step
+    # Map growth never moves the storage: one capture for the whole run. Copy
+    # growth moves it at 17, 33 and 65 tokens, each after the first capture.
+    assert g["graph_captures"] == (1 if growth == "map" else 4), g
+
+
+def test_cuda_decode_graph_survives_rewind_and_a_rejected_step(pte_factory, model):
+    # The length is an input in device memory, so a rewind replays the same
+    # graph; a step past max_capacity is refused before anything replays.
+    path = pte_factory(device="cuda", storage_dtype=torch.bfloat16, initial_capacity=8, layers=MIXED, max_write=8)
+    session = load_configured(path, max_capacity=40)
+    tokens = prompt(40, seed=6)
+    session.step(tokens[:, :8])
+    for j in range(8, 30):  # decode steps: captured from the second on
+        session.step(tokens[:, j:j + 1])
+    before = session.store.metrics()
+    assert before["graph_captures"] == 1 and before["graph_replays"] == 21
+    session.store.rewind(6)
+    session.length -= 6
+    oracle = Oracle(model, torch.bfloat16, layers=MIXED)
+    for start in range(0, 24, 8):
+        oracle.step(tokens[:, start:start + 8])
+    for j in range(24, 40):
+        got, want = session.step(tokens[:, j:j + 1]), oracle.step(tokens[:, j:j + 1])
+        torch.testing.assert_close(got, want, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    with pytest.raises(RuntimeError):
+        session.method.execute([tokens[:, :1], positions(40, 1)])
+    assert session.store.length == 40
+    session.store.rewind(1)
+    session.length -= 1
+    oracle.reset()
+    for start in range(0, 39, 8):
+        oracle.step(tokens[:, start:min(start + 8, 39)])
+    torch.testing.assert_close(session.step(tokens[:, 39:40]), oracle.step(tokens[:, 39:40]),
+                               atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
+    m = session.store.metrics()
+    assert m["graph_captures"] == 1 and m["graph_replays"] == before["graph_replays"] + 17
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@
 #                                               # reuses /tmp/long/long_run.pte: `long_run --build-only` in an earlier run)
 #   bash benchmarks/device/gpu_run.sh sessions  # sessions, rewind, saved contexts and map growth on CUDA, + builds the long-run program
 #   bash benchmarks/device/gpu_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
+#   bash benchmarks/device/gpu_run.sh graphs    # CUDA-graph decode: its CUDA tests + graphs on/off vs the gpt-fast recipe (~8 min)
 #   bash benchmarks/device/gpu_run.sh 8b-build  # exports the Llama-3-8B-shaped program to /tmp/w8b (~8 min)
 #   bash benchmarks/device/gpu_run.sh 8b        # ... then load it cold and time decode at 1K / 8K / 32K (~2 min)
 # A second argument, where a mode takes one, is its layer count (long: its token count).
@@ -99,6 +100,17 @@ case "${1:-tests}" in
     timeout 500 python3 -u -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "session or rewind or map or rejected" \
       --basetemp=/tmp/pt -rs --junitxml="$OUT/cuda_sessions_${TAG}.junit.xml" > "$OUT/pytest_sessions.txt" 2>&1
     grep -E "passed|failed|Error" "$OUT/pytest_sessions.txt" | tail -5
+    wait
+    ;;
+  graphs)
+    (timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_decode_graphs.py \
+       -k "graph or rejected or sessions or kernels_mixed" --basetemp=/tmp/pt -rs \
+       --junitxml="$OUT/cuda_graphs_tests_${TAG}.junit.xml" > "$OUT/pytest_graphs.txt" 2>&1
+     grep -E "passed|failed|Error" "$OUT/pytest_graphs.txt" | tail -8) &
+    export AOTI_RUNTIME_CHECK_INPUTS=0
+    timeout $(time_left 30) python3 -m benchmarks.cuda.graphs --layers ${2:-16} --out "$OUT/cuda_graphs_${TAG}.json" \
+      > "$OUT/graphs.txt" 2>&1
+    grep -E "PASS|FAIL|info|Error|error|offgraph-kv graphs|gpt-fast C" "$OUT/graphs.txt" | cut -c1-300
     wait
     ;;
   8b-build|8b)

@@ -17,6 +17,7 @@ struct Overrides {
   long rewind_budget = -1;  // -1: the export default (0 is a budget)
   size_t num_threads = 0;
   int growth = -1;  // -1: the default (auto); else a GrowthMode
+  int cuda_graphs = -1;  // -1: the default (on); else 0 / 1
 };
 
 std::mutex& overrides_mutex() {
@@ -72,6 +73,17 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
     o->growth = s->data()[0] == '\0' ? -1 : int(mode);
     return true;
   }
+  if (key == "cuda_graphs") {
+    const auto* s = std::get_if<std::array<char, executorch::runtime::kMaxOptionValueLength>>(&opt.value);
+    const std::string v = s == nullptr ? std::string() : std::string(s->data());
+    if (s == nullptr || (v != "on" && v != "off" && !v.empty())) {
+      *why = std::string("backend option cuda_graphs must be the string \"on\" or \"off\"") +
+             (s == nullptr ? "" : ", got '" + v + "'");
+      return false;
+    }
+    o->cuda_graphs = v.empty() ? -1 : int(v == "on");
+    return true;
+  }
   if (key == "growth_factor") {
     const auto* s = std::get_if<std::array<char, executorch::runtime::kMaxOptionValueLength>>(&opt.value);
     if (s == nullptr) {
@@ -92,7 +104,7 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
     o->growth_factor = f;
     return true;
   }
-  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor, rewind_budget, num_threads, growth)";
+  *why = "unknown backend option '" + key + "' (expected initial_capacity, max_capacity, growth_factor, rewind_budget, num_threads, growth, cuda_graphs)";
   return false;
 }
 
@@ -103,6 +115,7 @@ void merge(const Overrides& o, GrowthPolicy* p) {
   if (o.rewind_budget >= 0) p->rewind_budget = size_t(o.rewind_budget);
   if (o.num_threads) p->num_threads = o.num_threads;
   if (o.growth >= 0) p->growth = GrowthMode(o.growth);
+  if (o.cuda_graphs >= 0) p->cuda_graphs = o.cuda_graphs == 1;
 }
 
 }  // namespace
@@ -130,6 +143,10 @@ Status read_options(Span<BackendOption> options) {
     else if (key == "growth") {
       std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
       if (o.growth >= 0) std::snprintf(text.data(), text.size(), "%s", growth_mode_name(GrowthMode(o.growth)));
+      opt.value = text;
+    } else if (key == "cuda_graphs") {
+      std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
+      if (o.cuda_graphs >= 0) std::snprintf(text.data(), text.size(), "%s", o.cuda_graphs ? "on" : "off");
       opt.value = text;
     } else if (key == "growth_factor") {
       std::array<char, executorch::runtime::kMaxOptionValueLength> text{};

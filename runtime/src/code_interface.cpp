@@ -88,6 +88,7 @@ Status read_compiled_interface(const uint8_t* data, size_t size, CompiledInterfa
   out->num_outputs = code->num_outputs();
   out->width_bound = code->width_bound();
   out->weights_in_code = code->weights_in_code();
+  out->lengths_from_device = code->lengths_from_device();
   return Status::ok_status();
 }
 

@@ -25,6 +25,8 @@ struct CompiledInterfaceInfo {
   uint32_t num_outputs = 0;
   uint32_t width_bound = 0;
   bool weights_in_code = false;
+  // The attention reads the length from device memory; flat extents are bounds only (step_graph.h).
+  bool lengths_from_device = false;
 };
 
 // Verifies and reads the interface FlatBuffer nested in the manifest.

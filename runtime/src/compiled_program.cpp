@@ -87,7 +87,12 @@ std::unique_ptr<CompiledProgram> CompiledProgram::load(const void* code, size_t 
   void* lib = prog->library_;
   resolve(lib, "AOTInductorModelContainerCreateWithDevice", &create, &missing);
   resolve(lib, "AOTInductorModelContainerDelete", &prog->delete_container_, &missing);
-  resolve(lib, "AOTInductorModelContainerRun", &prog->run_, &missing);
+  // Every run of a method comes from one thread at a time (a container per
+  // load), which the single-threaded entry asks for; it skips the model pool
+  // and its per-run CUDA event. Older code has only the threaded one.
+  std::string absent;
+  prog->single_threaded_ = resolve(lib, "AOTInductorModelContainerRunSingleThreaded", &prog->run_, &absent);
+  if (!prog->single_threaded_) resolve(lib, "AOTInductorModelContainerRun", &prog->run_, &missing);
   resolve(lib, "AOTInductorModelContainerGetNumInputs", &get_inputs, &missing);
   resolve(lib, "AOTInductorModelContainerGetNumOutputs", &get_outputs, &missing);
   resolve(lib, "aoti_torch_create_tensor_from_blob", &prog->from_blob_, &missing);
@@ -152,6 +157,16 @@ Status CompiledProgram::run_raw(const std::vector<TensorDesc>& inputs, void* str
     return Status(Error::Internal, "compiled code failed: " + text);
   }
   return Status::ok_status();
+}
+
+Status CompiledProgram::launch(const std::vector<TensorDesc>& inputs, void* stream, std::vector<OutputView>* outputs) {
+  Status s = run_raw(inputs, stream);
+  if (!s.ok()) return s;
+  outputs->assign(output_handles_.size(), OutputView());
+  for (size_t i = 0; i < output_handles_.size() && s.ok(); ++i) s = describe(output_handles_[i], &(*outputs)[i]);
+  // Released at once: their memory stays in the capturing graph's private pool.
+  for (AtenTensorHandle h : output_handles_) release(h);
+  return s;
 }
 
 std::string CompiledProgram::last_error() const {

@@ -33,6 +33,11 @@ struct TensorDesc {
   std::vector<int64_t> strides;
 };
 
+inline bool operator==(const TensorDesc& a, const TensorDesc& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.sizes == b.sizes && a.strides == b.strides;
+}
+inline bool operator!=(const TensorDesc& a, const TensorDesc& b) { return !(a == b); }
+
 struct OutputView {
   const void* data = nullptr;
   int32_t dtype = 0;
@@ -65,6 +70,15 @@ class CompiledProgram {
   template <typename Sink, typename Settle>
   Status run(const std::vector<TensorDesc>& inputs, void* stream, Sink&& sink, Settle&& settle);
 
+  // Runs (enqueues) and describes the outputs without reading them: for a
+  // captured step (step_graph.h), whose graph's pool keeps the outputs'
+  // memory, so `outputs` stays valid for every replay of that graph.
+  Status launch(const std::vector<TensorDesc>& inputs, void* stream, std::vector<OutputView>* outputs);
+  // Whether runs can be captured: the container's single-threaded entry,
+  // which records no event of its own (an event recorded during a capture
+  // cannot be queried afterwards, and the threaded entry queries it next run).
+  bool capturable() const { return single_threaded_; }
+
  private:
   CompiledProgram() = default;
   Status run_raw(const std::vector<TensorDesc>& inputs, void* stream);
@@ -80,6 +94,7 @@ class CompiledProgram {
   int32_t device_type_ = 0;
   ContainerDeleteFn delete_container_ = nullptr;
   ContainerRunFn run_ = nullptr;
+  bool single_threaded_ = false;
   GetLastErrorFn last_error_ = nullptr;
   CreateTensorFromBlobFn from_blob_ = nullptr;
   GetDataPtrFn data_ptr_ = nullptr;

@@ -23,6 +23,16 @@ namespace {
 // each extra session ~36 MB of device memory beyond its KV (H200, 2026-12-01).
 // Work of different sessions is independent, so queuing it on one stream is
 // correct; finish() then also waits for another thread's queued step.
+// Who may enqueue on each device's shared stream (StepIO::turns).
+std::shared_mutex& stream_turns(int device) {
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<std::shared_mutex>> turns;
+  std::lock_guard<std::mutex> lock(mu);
+  std::unique_ptr<std::shared_mutex>& t = turns[device];
+  if (!t) t = std::make_unique<std::shared_mutex>();
+  return *t;
+}
+
 std::shared_ptr<CudaStream> shared_execution_stream(Status* status) {
   static std::mutex mu;
   static std::map<int, std::weak_ptr<CudaStream>> streams;
@@ -57,6 +67,9 @@ class CudaStepIO final : public StepIO {
     std::shared_ptr<CudaStream> stream = shared_execution_stream(status);
     if (!stream) return nullptr;
     io->stream_ = stream->get();
+    int device = 0;
+    cudaGetDevice(&device);
+    io->turns_ = &stream_turns(device);
     // KV arenas come from a pool of their own (cuda_memory.h says why).
     io->memory_ = cuda_kv_memory(stream, copies, status);
     if (!io->memory_) return nullptr;
@@ -74,26 +87,18 @@ class CudaStepIO final : public StepIO {
 
   ~CudaStepIO() override {
     staged_.clear();
+    fixed_.clear();
     length_device_.reset();
     if (staging_ != nullptr) staging_->synchronize();  // the pinned length upload is done
     if (length_host_ != nullptr) cudaFreeHost(length_host_);
   }
 
   Status stage_input(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) override {
-    if (staged_.size() <= index) staged_.resize(index + 1);
-    Buffer& buf = staged_[index];
-    const size_t bytes = t.nbytes();
-    if (buf.bytes() < bytes) {
-      buf = allocate_buffer(staging_, bytes < 256 ? 256 : bytes * 2);  // headroom: prefill widths vary
-      if (buf.data() == nullptr)
-        return Status(Error::MemoryAllocationFailed, "cannot stage input " + std::to_string(index) + " on the device");
-    }
-    if (bytes > 0) {
-      const cudaError_t e = cudaMemcpyAsync(buf.data(), t.const_data_ptr(), bytes, cudaMemcpyHostToDevice, stream_);
-      if (e != cudaSuccess) return Status(Error::Internal, cuda_error("input copy", e));
-    }
-    describe_tensor(t, buf.data(), d);
-    return Status::ok_status();
+    return stage_into(staged_, index, t, d);
+  }
+
+  Status stage_input_fixed(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) override {
+    return stage_into(fixed_, index, t, d);
   }
 
   Status stage_length(int64_t length, TensorDesc* d) override {
@@ -118,15 +123,36 @@ class CudaStepIO final : public StepIO {
 
   void* stream() override { return stream_; }
   std::shared_ptr<DeviceMemory> memory() override { return memory_; }
+  std::shared_mutex* turns() override { return turns_; }
 
  private:
   CudaStepIO() = default;
+
+  Status stage_into(std::vector<Buffer>& buffers, size_t index, const executorch::aten::Tensor& t, TensorDesc* d) {
+    if (buffers.size() <= index) buffers.resize(index + 1);
+    Buffer& buf = buffers[index];
+    const size_t bytes = t.nbytes();
+    if (buf.bytes() < bytes) {
+      buf = allocate_buffer(staging_, bytes < 256 ? 256 : bytes * 2);  // headroom: prefill widths vary
+      if (buf.data() == nullptr)
+        return Status(Error::MemoryAllocationFailed, "cannot stage input " + std::to_string(index) + " on the device");
+    }
+    if (bytes > 0) {
+      const cudaError_t e = cudaMemcpyAsync(buf.data(), t.const_data_ptr(), bytes, cudaMemcpyHostToDevice, stream_);
+      if (e != cudaSuccess) return Status(Error::Internal, cuda_error("input copy", e));
+    }
+    describe_tensor(t, buf.data(), d);
+    return Status::ok_status();
+  }
+
   cudaStream_t stream_ = nullptr;  // the shared execution stream, kept alive by the memories
   int64_t* length_host_ = nullptr;
   std::shared_ptr<DeviceMemory> memory_;   // KV storage: its own pool
   std::shared_ptr<DeviceMemory> staging_;  // inputs and the length: the default pool
   Buffer length_device_;
   std::vector<Buffer> staged_;
+  std::vector<Buffer> fixed_;  // inputs of captured steps (stage_input_fixed)
+  std::shared_mutex* turns_ = nullptr;
 };
 
 }  // namespace

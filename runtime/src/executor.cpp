@@ -1,8 +1,10 @@
 #include "executor.h"
 
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
+#include <executorch/runtime/platform/log.h>
 
 #include <chrono>
+#include <mutex>
 #include <string>
 
 #include "input_spec.h"
@@ -79,6 +81,8 @@ std::unique_ptr<StepExecutor> StepExecutor::create(const ManifestInfo& manifest,
                 (t.kind == LayerKind::Ring ? "ring" + std::to_string(t.window) : "flat") + ":" +
                 std::to_string(t.num_heads) + "x" + std::to_string(t.head_dim) + dtype_name(t.dtype);
   ex->store_->set_identity(identity);
+  ex->graphs_ = policy.cuda_graphs && manifest.device == DeviceKind::CUDA && manifest.code.lengths_from_device &&
+                ex->program_->capturable() && step_graphs_available();
   ex->inputs_.resize(manifest.num_compiled_inputs());
   // Dtype, heads and head dim of every private tensor never change: describe
   // them once; a step only rebinds the pointer and the row count.
@@ -123,14 +127,20 @@ Status StepExecutor::check_inputs(Span<EValue*> args, size_t* width) const {
   return Status::ok_status();
 }
 
-Status StepExecutor::run_prepared(Span<EValue*> args, size_t width, int64_t* run_ns) {
+Status StepExecutor::run_prepared(Span<EValue*> args, size_t width, int64_t* run_ns,
+                                  std::shared_lock<std::shared_mutex>* turn) {
   const ManifestInfo& m = manifest_;
+  const bool captured = graphs_ && width == 1;
   Status s;
-  for (size_t i = 0; i < m.num_user_inputs; ++i)
-    if (!(s = io_->stage_input(i, args[i]->toTensor(), &inputs_[i])).ok()) return s;
+  for (size_t i = 0; i < m.num_user_inputs; ++i) {
+    const Tensor t = args[i]->toTensor();
+    s = captured ? io_->stage_input_fixed(i, t, &inputs_[i]) : io_->stage_input(i, t, &inputs_[i]);
+    if (!s.ok()) return s;
+  }
   const auto& tensors = store_->tensors();
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const Binding b = store_->binding(i);
+    // A captured step binds views that stay put as the context grows (the code reads the length instead).
+    const Binding b = captured ? store_->fixed_binding(i) : store_->binding(i);
     TensorDesc& d = inputs_[tensors[i].compiled_input];
     d.data = b.data;
     d.sizes[1] = b.rows;
@@ -143,11 +153,55 @@ Status StepExecutor::run_prepared(Span<EValue*> args, size_t width, int64_t* run
   // own count), never left to the process: see StepThreads::Scope.
   StepThreads::Scope threads(*threads_, num_threads_ ? num_threads_ : threads_->automatic(width));
   const int64_t start = now_ns();
-  s = program_->run(
-      inputs_, io_->stream(),
-      [&](size_t i, const OutputView& out) { return copy_output(*io_, i, out, args[m.num_user_inputs + i]); },
-      [&]() { return io_->finish(); });
+  s = captured ? run_captured(args, turn) : run_uncaptured(args);
   *run_ns = now_ns() - start;
+  return s;
+}
+
+Status StepExecutor::run_uncaptured(Span<EValue*> args) {
+  const size_t first_output = manifest_.num_user_inputs;
+  return program_->run(
+      inputs_, io_->stream(),
+      [&](size_t i, const OutputView& out) { return copy_output(*io_, i, out, args[first_output + i]); },
+      [&]() { return io_->finish(); });
+}
+
+Status StepExecutor::run_captured(Span<EValue*> args, std::shared_lock<std::shared_mutex>* turn) {
+  if (!graph_ || inputs_ != captured_inputs_) {
+    if (decode_steps_seen_++ == 0) return run_uncaptured(args);
+    const Status c = capture(turn);
+    if (!c.ok()) {
+      ET_LOG(Info, "OffGraphKVBackend: decode steps of this method run uncaptured from now on: %s",
+             c.message().c_str());
+      graphs_ = false;
+      return run_uncaptured(args);  // the bindings above are right for it too
+    }
+  }
+  Status s = graph_->replay(io_->stream());
+  for (size_t i = 0; s.ok() && i < graph_outputs_.size(); ++i)
+    s = copy_output(*io_, i, graph_outputs_[i], args[manifest_.num_user_inputs + i]);
+  const Status settled = io_->finish();
+  if (s.ok()) s = settled;
+  if (s.ok()) store_->record_graph_replay();
+  return s;
+}
+
+Status StepExecutor::capture(std::shared_lock<std::shared_mutex>* turn) {
+  Status s;
+  if (!graph_ && !(graph_ = make_step_graph(&s))) return s;
+  // A capture records everything enqueued on its stream: no other step may enqueue meanwhile.
+  turn->unlock();
+  {
+    std::unique_lock<std::shared_mutex> alone(*io_->turns());
+    s = graph_->capture(io_->stream(), [&]() { return program_->launch(inputs_, io_->stream(), &graph_outputs_); });
+  }
+  turn->lock();
+  if (!s.ok()) {
+    graph_.reset();
+    return s;
+  }
+  captured_inputs_ = inputs_;
+  store_->record_graph_capture();
   return s;
 }
 
@@ -155,12 +209,15 @@ Status StepExecutor::execute(Span<EValue*> args) {
   size_t width = 0;
   Status s = check_inputs(args, &width);
   if (!s.ok()) return s;
+  // Steps share a CUDA stream with other sessions, a capture holds it alone (StepIO::turns).
+  std::shared_lock<std::shared_mutex> turn;
+  if (std::shared_mutex* turns = io_->turns()) turn = std::shared_lock<std::shared_mutex>(*turns);
   const int64_t start = now_ns();
   KVStore& store = *store_;
   if (!(s = store.prepare_step(width)).ok()) return s;
   StepGuard step(store);
   int64_t run_ns = 0;
-  if (!(s = run_prepared(args, width, &run_ns)).ok()) return s;
+  if (!(s = run_prepared(args, width, &run_ns, &turn)).ok()) return s;
   step.commit();
   // Host work of the step (prepare, stage, bind, commit), apart from the compiled code and its output copy.
   store.record_host_time(uint64_t(now_ns() - start - run_ns));

@@ -29,6 +29,9 @@ struct GrowthPolicy {
   // job holds a core), the process's OpenMP setting for wider steps.
   size_t num_threads = 0;
   GrowthMode growth = GrowthMode::Auto;
+  // CUDA: capture the decode step as a graph and replay it (step_graph.h),
+  // where the compiled code allows it; off runs every step uncaptured.
+  bool cuda_graphs = true;
 
   // Empty when valid, otherwise a message naming the offending field.
   std::string validate(size_t capacity_bound) const;

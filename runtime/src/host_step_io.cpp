@@ -11,6 +11,9 @@ class HostStepIO final : public StepIO {
     describe_tensor(t, t.mutable_data_ptr(), d);
     return Status::ok_status();
   }
+  Status stage_input_fixed(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) override {
+    return stage_input(index, t, d);
+  }
   Status stage_length(int64_t length, TensorDesc* d) override {
     length_ = length;
     describe_length(&length_, d);
@@ -23,6 +26,7 @@ class HostStepIO final : public StepIO {
   Status finish() override { return Status::ok_status(); }
   void* stream() override { return nullptr; }
   std::shared_ptr<DeviceMemory> memory() override { return host_memory(); }
+  std::shared_mutex* turns() override { return nullptr; }
 
  private:
   int64_t length_ = 0;

@@ -246,6 +246,12 @@ Binding KVStore::binding(size_t i) const {
   return {data_of(i), int64_t(length_ + pending_)};
 }
 
+Binding KVStore::fixed_binding(size_t i) const {
+  const TensorSpec& t = tensors_[i];
+  if (t.kind == LayerKind::Ring) return binding(i);
+  return {data_of(i), int64_t(reservation_ ? policy_.max_capacity : capacity_)};
+}
+
 Status KVStore::rewind(size_t n) {
   if (pending_ != 0) return Status(Error::InvalidState, "rewind during a step");
   if (n > length_)
@@ -292,6 +298,8 @@ StoreMetrics KVStore::metrics() const {
   m.allocated_bytes = allocated_;
   m.peak_bytes = peak_;
   m.reserved_bytes = reservation_ ? reservation_->reserved_bytes() : 0;
+  m.graph_captures = graph_captures_;
+  m.graph_replays = graph_replays_;
   m.growth = reservation_ ? GrowthMode::Map : GrowthMode::Copy;
   m.growth_note = growth_note_;
   m.growths = growths_;

@@ -48,6 +48,8 @@ struct StoreMetrics {
   std::string growth_note;     // why map growth was not used, when it was not
   size_t growths = 0;
   size_t steps = 0;         // committed steps
+  size_t graph_captures = 0;  // CUDA graphs captured for decode steps (step_graph.h)
+  size_t graph_replays = 0;   // committed steps that replayed one
   uint64_t host_ns = 0;     // host work of those steps (width, prepare, bind, commit)
   StorageDType dtype = StorageDType::BFloat16;
   std::vector<LayerMetrics> layers;
@@ -71,6 +73,12 @@ class KVStore {
   // The view the compiled code binds for tensor i during a prepared step (idle:
   // the committed rows).
   Binding binding(size_t i) const;
+  // The widest view of tensor i whose address and extent hold until the
+  // storage itself moves: flat tensors whole (every reserved row with map
+  // growth, the arena's rows with copy growth), rings as always. For code
+  // that takes a flat extent only as a bound (lengths_from_device), so a
+  // captured step stays valid as the context grows.
+  Binding fixed_binding(size_t i) const;
 
   // Drop the history; with release_memory, shrink back to the initial allocation.
   Status reset(bool release_memory);
@@ -94,6 +102,8 @@ class KVStore {
 
   StoreMetrics metrics() const;
   void record_host_time(uint64_t ns) { host_ns_ += ns; }
+  void record_graph_capture() { ++graph_captures_; }
+  void record_graph_replay() { ++graph_replays_; }
   size_t length() const { return length_; }
   size_t capacity() const { return capacity_; }
   const std::vector<TensorSpec>& tensors() const { return tensors_; }
@@ -149,6 +159,8 @@ class KVStore {
   size_t growths_ = 0;
   size_t steps_ = 0;
   uint64_t host_ns_ = 0;
+  size_t graph_captures_ = 0;
+  size_t graph_replays_ = 0;
 };
 
 }  // namespace offgraph_kv

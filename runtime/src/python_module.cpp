@@ -16,6 +16,12 @@
 namespace py = pybind11;
 using namespace offgraph_kv;
 
+#ifdef OFFGRAPH_KV_WITH_CUDA_GRAPHS
+namespace offgraph_kv {
+void register_cuda_step_graphs();  // cuda_graph.cpp
+}
+#endif
+
 namespace {
 
 const char* kind_name(LayerKind k) { return k == LayerKind::Ring ? "ring" : "flat"; }
@@ -42,6 +48,8 @@ py::dict metrics_dict(const KVStore& store) {
   d["growth_note"] = m.growth_note;
   d["growths"] = m.growths;
   d["steps"] = m.steps;
+  d["graph_captures"] = m.graph_captures;
+  d["graph_replays"] = m.graph_replays;
   d["host_us_per_step"] = m.steps ? double(m.host_ns) / 1000.0 / double(m.steps) : 0.0;
   d["storage_dtype"] = dtype_name(m.dtype);
   d["max_capacity"] = store.policy().max_capacity;
@@ -70,6 +78,9 @@ executorch::runtime::BackendOption make_text(const char* key, const std::string&
 }  // namespace
 
 PYBIND11_MODULE(_runtime, m) {
+#ifdef OFFGRAPH_KV_WITH_CUDA_GRAPHS
+  register_cuda_step_graphs();
+#endif
   m.doc() = "offgraph-kv runtime: the OffGraphKVBackend delegate and its control face";
   executorch::runtime::runtime_init();
   const auto err = register_delegate();
@@ -198,7 +209,7 @@ PYBIND11_MODULE(_runtime, m) {
   m.def(
       "set_options",
       [](int initial_capacity, int max_capacity, const std::string& growth_factor, int rewind_budget,
-         int num_threads, const std::string& growth) {
+         int num_threads, const std::string& growth, const std::string& cuda_graphs) {
         executorch::runtime::BackendOption opts[] = {
             make_int("initial_capacity", initial_capacity),
             make_int("max_capacity", max_capacity),
@@ -206,19 +217,21 @@ PYBIND11_MODULE(_runtime, m) {
             make_int("rewind_budget", rewind_budget),
             make_int("num_threads", num_threads),
             make_text("growth", growth),
+            make_text("cuda_graphs", cuda_graphs),
         };
-        const auto e = executorch::runtime::set_option(kBackendName, {opts, 6});
+        const auto e = executorch::runtime::set_option(kBackendName, {opts, 7});
         if (e != executorch::runtime::Error::Ok)
           throw std::invalid_argument("OffGraphKVBackend rejected the options (error " + std::to_string(int(e)) +
                                       "; see the log for which)");
       },
       py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"), py::arg("rewind_budget") = -1, py::arg("num_threads") = 0,
-      py::arg("growth") = "");
+      py::arg("growth") = "", py::arg("cuda_graphs") = "");
   m.def("get_options", []() {
     executorch::runtime::BackendOption opts[] = {make_int("initial_capacity", 0), make_int("max_capacity", 0),
                                                  make_text("growth_factor", ""), make_int("rewind_budget", -1),
-                                                 make_int("num_threads", 0), make_text("growth", "")};
-    const auto e = executorch::runtime::get_option(kBackendName, {opts, 6});
+                                                 make_int("num_threads", 0), make_text("growth", ""),
+                                                 make_text("cuda_graphs", "")};
+    const auto e = executorch::runtime::get_option(kBackendName, {opts, 7});
     if (e != executorch::runtime::Error::Ok) throw std::runtime_error("get_option failed");
     py::dict d;
     d["initial_capacity"] = std::get<int>(opts[0].value);
@@ -227,6 +240,7 @@ PYBIND11_MODULE(_runtime, m) {
     d["rewind_budget"] = std::get<int>(opts[3].value);
     d["num_threads"] = std::get<int>(opts[4].value);
     d["growth"] = std::string(std::get<2>(opts[5].value).data());
+    d["cuda_graphs"] = std::string(std::get<2>(opts[6].value).data());
     return d;
   });
 }

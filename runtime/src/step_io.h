@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <shared_mutex>
 #include <string>
 #include <utility>
 
@@ -23,6 +24,9 @@ class StepIO {
   virtual ~StepIO() = default;
   // Describe (and, off the host, copy) input `index` for the compiled code.
   virtual Status stage_input(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) = 0;
+  // The same into memory kept for captured steps (step_graph.h): its address
+  // changes only when the input outgrows it, never because another step was wider.
+  virtual Status stage_input_fixed(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) = 0;
   // Describe the committed length (int64 [1]) rings read.
   virtual Status stage_length(int64_t length, TensorDesc* d) = 0;
   // Copy a compiled output into host memory of `bytes` bytes.
@@ -31,6 +35,9 @@ class StepIO {
   virtual Status finish() = 0;
   virtual void* stream() = 0;
   virtual std::shared_ptr<DeviceMemory> memory() = 0;
+  // Steps on a shared stream hold this shared; a capture holds it alone, since
+  // a capture records everything enqueued on its stream. Null on the host.
+  virtual std::shared_mutex* turns() = 0;
 };
 
 // Describe `t`'s shape and dtype over `data` (the method's memory or a staged copy).

@@ -89,3 +89,30 @@ TEST(num_threads_option_is_checked_and_the_error_names_the_option_and_the_value)
   CHECK(apply_options({&opt, 1}).ok());
   CHECK(resolve_policy(defaults, {}).num_threads == 0);
 }
+
+TEST(cuda_graphs_option_takes_on_or_off_and_names_anything_else) {
+  executorch::runtime::BackendOption opt{};
+  std::strcpy(opt.key, "cuda_graphs");
+  std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
+  std::strcpy(text.data(), "yes");
+  opt.value = text;
+  Status bad = apply_options({&opt, 1});
+  CHECK(!bad.ok() && bad.message().find("cuda_graphs") != std::string::npos &&
+        bad.message().find("yes") != std::string::npos);
+  opt.value = true;  // not a string
+  CHECK(!apply_options({&opt, 1}).ok());
+  const GrowthPolicy defaults = policy(16, 4096);
+  CHECK(resolve_policy(defaults, {}).cuda_graphs);  // on unless asked
+  std::strcpy(text.data(), "off");
+  opt.value = text;
+  CHECK(apply_options({&opt, 1}).ok());
+  CHECK(!resolve_policy(defaults, {}).cuda_graphs);
+  executorch::runtime::BackendOption read{};
+  std::strcpy(read.key, "cuda_graphs");
+  CHECK(read_options({&read, 1}).ok());
+  CHECK(std::strcmp(std::get<2>(read.value).data(), "off") == 0);
+  std::strcpy(text.data(), "");
+  opt.value = text;
+  CHECK(apply_options({&opt, 1}).ok());  // "" restores the default
+  CHECK(resolve_policy(defaults, {}).cuda_graphs);
+}
