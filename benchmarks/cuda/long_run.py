@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
             m = runner.store.metrics()
             memory[str(length)] = {"device_used": device_used(device), "kv_allocated": m["allocated_bytes"],
                                    "kv_peak": m["peak_bytes"], "capacity": m["capacity"], "growths": m["growths"],
+                                   "graph_captures": m["graph_captures"], "graph_replays": m["graph_replays"],
                                    "elapsed_s": round(time.perf_counter() - t0, 1)}
             save(result | {"memory": memory, "failures": failures}, args.out)
     bar.close()
