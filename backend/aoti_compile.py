@@ -111,16 +111,80 @@ except TypeError:  # a torch without the flag
 args = torch.load(sys.argv[2])
 options = torch.load(sys.argv[3])
 module = ep.module()
+if os.environ.get("OFFGRAPH_KV_LINEAR_TEMPLATE_ONLY") == "1":
+    # Linears: inductor's C++ GEMM template only (aoti_compile.cpu_linear_options
+    # says why); mkldnn_lowerings adds oneDNN's packed linear when ATen GEMMs are
+    # allowed, or when the template does not take the linear (then collect_weights
+    # names the opaque weight it cannot store).
+    import torch._inductor.mkldnn_lowerings as _mkldnn_lowerings
+    _mkldnn_lowerings.use_aten_gemm_kernels = lambda: False
+# Constants that freezing makes (a weight packed for inductor's GEMM template,
+# a parameter renamed _frozen_paramN) name no tensor of the module: their values
+# are taken from the graph AOTInductor writes out (collect_weights' `derived`).
+derived = {}
+from torch._inductor.codecache import AotCodeCompiler
+_aot_compile = AotCodeCompiler.compile.__func__
+def _keep_constants(cls, graph, *a, **k):
+    derived.update(graph.constants)
+    return _aot_compile(cls, graph, *a, **k)
+AotCodeCompiler.compile = classmethod(_keep_constants)
 with torch.no_grad():
     path = torch._inductor.aot_compile(module, tuple(args), options=options)
 path = path if isinstance(path, str) else [p for p in path if p.endswith(".so")][0]
 index = ""
 if not options["aot_inductor.package_constants_in_so"]:
     from offgraph_kv.backend.weights import collect_weights
-    index = collect_weights(path, sys.argv[4], module, sys.argv[5])
+    index = collect_weights(path, sys.argv[4], module, sys.argv[5], derived=derived)
 print(path)
 print(index)
 """
+
+
+# How a CPU program's linear layers (GEMMs with a weight) are compiled:
+# "cpp": inductor's C++ GEMM template, weights packed at compile time (freezing);
+# "aten": an extern call to ATen's mm (MKL sgemm for fp32, oneDNN for bf16).
+CPU_LINEAR_ENV = "OFFGRAPH_KV_CPU_LINEAR"
+CPU_LINEAR_KERNELS = ("cpp", "aten")
+DEFAULT_CPU_LINEAR = "aten"
+
+
+def cpu_linear_kernel() -> str:
+    """The CPU linear kernel of this export: ``$OFFGRAPH_KV_CPU_LINEAR`` or the default."""
+    kind = os.environ.get(CPU_LINEAR_ENV, DEFAULT_CPU_LINEAR) or DEFAULT_CPU_LINEAR
+    if kind not in CPU_LINEAR_KERNELS:
+        raise ValueError(f"{CPU_LINEAR_ENV}={kind!r}: expected one of {', '.join(CPU_LINEAR_KERNELS)}")
+    return kind
+
+
+def cpu_linear_options(kind: "str | None" = None) -> dict:
+    """AOTInductor options for ``kind`` (``cpu_linear_kernel()`` when None).
+
+    "cpp" (opt-in, ``OFFGRAPH_KV_CPU_LINEAR=cpp``): on this machine (AMD Zen,
+    AVX-512 without inductor's bf16 micro-kernel) ATen's one-row fp32 GEMMs
+    read the weights at a third of what one core streams; inductor's GEMM
+    template over weights it packs in 48-column blocks reads them about twice
+    as fast for one row, but is ~20 % slower than MKL for 64 rows (prefill),
+    and for bf16 weights it is no faster for one row and 2-5x slower for 64
+    (``benchmarks/cpu/gemv.py``, ``benchmarks/results/cpu_gemv.md``). Hence
+    not the default. The template needs the weights as compile-time constants
+    (freezing) to pack them; the packed copies are what the .pte stores
+    (``weights.collect_weights``' derived constants), so a tied embedding is
+    stored twice (the table for the lookup, packed for the output
+    projection). The template is compiled serial (``cpp.threads=1``): a
+    prefill step given more threads runs its GEMMs on one.
+    The template is only offered with ``cpp.weight_prepack``, whose other
+    choice for a linear is oneDNN's packed linear: as fast for one row, but
+    its weights are opaque tensors the runtime cannot bind from the file's
+    bytes. So the compile process drops ATen's choice for linears
+    (``_SUBPROCESS_COMPILE``, ``OFFGRAPH_KV_LINEAR_TEMPLATE_ONLY``), which
+    also keeps the choice deterministic (no timing on a busy machine picks
+    the kernel); other GEMMs (attention's ``bmm`` over the KV) keep ATen.
+    """
+    kind = kind or cpu_linear_kernel()
+    if kind == "aten":
+        return {}
+    return {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+            "cpp.weight_prepack": True}
 
 
 def inductor_cache_dir() -> str:
@@ -141,7 +205,7 @@ def symbolic_compile_env() -> dict:
 
 
 def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[torch.Tensor], options: dict,
-                              workdir: str, device: str) -> Tuple[str, str]:
+                              workdir: str, device: str, template_linears: bool = False) -> Tuple[str, str]:
     """Compile in a process whose inductor starts with the symbolic linker.
 
     Inductor reads $CXX at import and keeps compiled objects in its cache, so
@@ -154,8 +218,10 @@ def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[t
     torch.export.save(program, ep_path)
     torch.save(list(example_args), args_path)
     torch.save(options, opt_path)
+    env = symbolic_compile_env()
+    env["OFFGRAPH_KV_LINEAR_TEMPLATE_ONLY"] = "1" if template_linears else "0"
     done = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, ep_path, args_path, opt_path, device, workdir],
-                          env=symbolic_compile_env(), capture_output=True, text=True)
+                          env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"AOTInductor compile failed:\n{done.stderr[-4000:]}")
     so_path, index = done.stdout.splitlines()[-2:]
@@ -201,12 +267,16 @@ def compile_shared_object(program: ExportedProgram, example_args: Sequence[torch
         # vocabulary) that throws inside one aborts the process instead of
         # failing the step.
         options["cpp.threads"] = 1
+        template_linears = cpu_linear_kernel() == "cpp"
+        options.update(cpu_linear_options("cpp" if template_linears else "aten"))
+    else:
+        template_linears = False
     if device == "cuda":
         # Otherwise the .so loads its GPU kernels from cubin files in the
         # compile's cache directory at run time: gone on any other machine.
         options["aot_inductor.embed_kernel_binary"] = True
     try:
-        path, index = _compile_in_fresh_process(program, example_args, options, outdir, device)
+        path, index = _compile_in_fresh_process(program, example_args, options, outdir, device, template_linears)
         with open(path, "rb") as f:
             so_bytes = f.read()
         return CompiledCode(so_bytes, load_collected(index) if index else [])

@@ -115,22 +115,43 @@ def _write_storage(t: torch.Tensor, path: str) -> Tuple[int, bytes, int]:
     return raw.numel(), digest.digest(), crc
 
 
+def _storage_key(t: torch.Tensor) -> "Tuple[int, int, Tuple[int, ...], Tuple[int, ...], torch.dtype] | None":
+    if t.layout != torch.strided:
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def collect_weights(so_path: str, device: str, module: torch.nn.Module, outdir: str,
-                    weights_dir: "str | None" = None) -> str:
+                    weights_dir: "str | None" = None, derived: "Dict[str, torch.Tensor] | None" = None) -> str:
     """In the compile subprocess: write every constant the compiled code expects.
 
     Names, FQNs and dtypes come from the container itself (torch's runner); the
     bytes and geometry from the module it was compiled from, where the FQN
-    names them. Returns the path of an index (JSON) that ``load_collected``
-    reads.
+    names them. ``derived`` holds the compiled graph's own constants by
+    container name: with freezing, a parameter becomes ``_frozen_paramN`` (its
+    FQN is then recovered from the module tensor it is) and the GEMM template's
+    packed weights are new tensors (recorded under their container name).
+    Returns the path of an index (JSON) that ``load_collected`` reads.
     """
     runner = _runner(so_path, device)
     fqns: Dict[str, str] = runner.get_constant_names_to_original_fqns()
     dtypes: Dict[str, int] = runner.get_constant_names_to_dtypes()
     weights_dir = weights_dir or tempfile.gettempdir()
+    derived = derived or {}
+    fqn_of = {}
+    for n, p in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        fqn_of.setdefault(_storage_key(p), n)
     index = []
     for name, fqn in sorted(fqns.items()):
         t = _lookup(module, fqn)
+        if t is None and name in derived:
+            t = derived[name]
+            if t.layout != torch.strided:
+                raise WeightError(f"compiled constant {name!r} is an opaque {t.layout} tensor (oneDNN's packed "
+                                  "weights: cpp.weight_prepack), which cannot be bound from the file's bytes")
+            # A packed weight has no FQN, and AOTI reports one for several of them
+            # ('constant4' for constant4_0, constant4_1, ...): its own name is the unique one.
+            fqn = fqn_of.get(_storage_key(t), name)
         if t is None:
             raise WeightError(f"compiled constant {name!r} (from {fqn!r}) is not a tensor of the compiled program")
         code = SCALAR_TYPE_CODES.get(t.dtype)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import REPO, Oracle, Session, greedy, prompt, toy_model
 
+from offgraph_kv.backend.aoti_compile import cpu_linear_kernel
 from offgraph_kv.schemas import Manifest
 
 
@@ -38,9 +39,16 @@ def _elf_size(data: bytes, at: int) -> int:
     return shoff + shentsize * shnum
 
 
-def _largest_weight(model: torch.nn.Module) -> bytes:
-    t = max(model.state_dict().values(), key=lambda p: p.numel())
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+def _linear_weights(model: torch.nn.Module) -> "set[str]":
+    return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _largest_weight(model: torch.nn.Module) -> "tuple[str, bytes]":
+    """The largest weight the .pte stores as the model holds it: with inductor's
+    GEMM template (the CPU default) linear weights are stored packed for it."""
+    packed = _linear_weights(model) if cpu_linear_kernel() == "cpp" else set()
+    name, t = max(((n, p) for n, p in model.state_dict().items() if n not in packed), key=lambda e: e[1].numel())
+    return name, t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def _load_error(path: Path, capfd: pytest.CaptureFixture) -> str:
@@ -55,15 +63,24 @@ def test_compiled_code_holds_no_weight_bytes(pte_factory, model):
     _, m, _ = _manifest_span(data)
     assert m.version == 4
     params = dict(model.named_parameters())
-    assert {w.fqn.removeprefix("program.") for w in m.weights} == set(params)
+    stored = {w.fqn.removeprefix("program.") for w in m.weights}
+    if cpu_linear_kernel() == "cpp":
+        # Every linear weight is stored packed (one constant of the template's own), the rest as they are.
+        linear = _linear_weights(model)
+        assert set(params) - linear <= stored and not stored & linear
+        assert len(stored - set(params)) == len(linear)
+    else:
+        assert stored == set(params)
     so_at = data.index(b"\x7fELF")
     code = data[so_at:so_at + _elf_size(data, so_at)]
-    weight = _largest_weight(model)
+    _, weight = _largest_weight(model)
     assert weight not in code, "a weight's bytes are inside the compiled code"
     assert data.count(weight) == 1, "each weight is stored once, outside the code"
     weight_bytes = sum(p.numel() * 4 for p in params.values())
+    stored_bytes = sum(w.nbytes for w in m.weights)
+    assert stored_bytes <= 1.1 * weight_bytes  # packed weights: their 48-column blocks' padding at most
     # The file is the code plus the weights once (plus headers and alignment).
-    assert len(data) < len(code) + weight_bytes + 64 * 1024
+    assert len(data) < len(code) + stored_bytes + 64 * 1024
 
 
 def test_weights_from_named_data_give_the_oracles_tokens(pte_factory, model):
@@ -137,14 +154,14 @@ def test_flipped_byte_in_a_weight_fails_the_load_naming_it(pte_factory, model, t
     src = pte_factory(storage_dtype=torch.float32)
     data = bytearray(src.read_bytes())
     _, m, _ = _manifest_span(bytes(data))
-    weight = _largest_weight(model)
+    name, weight = _largest_weight(model)
     at = bytes(data).index(weight)
     data[at + len(weight) // 2] ^= 0x10
     path = tmp_path / "flipped.pte"
     path.write_bytes(bytes(data))
-    big = max(m.weights, key=lambda w: w.nbytes)
+    flipped = next(w for w in m.weights if w.fqn.removeprefix("program.") == name)
     err = _load_error(path, capfd)
-    assert f"weights: '{big.fqn}': its bytes do not match their checksum" in err
+    assert f"weights: '{flipped.fqn}': its bytes do not match their checksum" in err
 
 
 _RSS_CHILD = r"""
