@@ -1,0 +1,123 @@
+"""CPU decode linears: a one-row step reads each weight once, as a reduction.
+
+A decode step is about 80 % one-row matrix products over the weights
+(``benchmarks/results/cpu_profile_smollm2_bf16.md``), and ATen's GEMM for one
+row (MKL's sgemm, oneDNN's bf16 GEMM) streams the weight matrix at a third to
+a half of what one core reads here; inductor's own reduction kernel over the
+same weight reads it about twice as fast for one row, but is 3-13x slower for
+64 (``benchmarks/results/cpu_gemv.md``). One program serves both widths, so
+each linear becomes a branch on the step width (``torch.cond``, compiled into
+the code): one row -> ``sum(x * w)`` over the input features in fp32, wider ->
+ATen's ``mm`` as before. Nothing is packed or copied: the weight stays the
+constant the ``.pte`` stores.
+
+A linear here is ``linear(x, W[, b])`` (the partitioner keeps ``nn.Linear``
+whole), ``mm(x, permute(W, [1, 0]))`` or ``addmm(b, x, permute(W, [1, 0]))``,
+with ``W`` a constant of the program; a product of two activations, a weight
+computed in the graph (a dequantised int4 weight) or a static width is left
+alone.
+``OFFGRAPH_KV_CPU_GEMV=mm`` (read at export) keeps every linear on ATen's GEMM.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import fx
+
+ENV_SWITCH = "OFFGRAPH_KV_CPU_GEMV"
+
+
+def reduction_applies() -> bool:
+    """Whether CPU exports rewrite their linears (``OFFGRAPH_KV_CPU_GEMV``: "reduce", the default, or "mm")."""
+    choice = os.environ.get(ENV_SWITCH, "reduce")
+    if choice not in ("reduce", "mm"):
+        raise ValueError(f"{ENV_SWITCH} must be 'reduce' (the default) or 'mm', got {choice!r}")
+    return choice == "reduce"
+
+
+def _one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # [1, K] x [N, K] -> [1, N]; the products and the sum in fp32 (as a GEMM accumulates).
+    return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
+
+
+def _many_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x, w.t())
+
+
+def linear_by_width(x: torch.Tensor, w: torch.Tensor, bias: "torch.Tensor | None" = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` for ``x [..., K]``, ``w [N, K]``: a reduction when
+    ``x`` holds one row, ATen's GEMM otherwise."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    if isinstance(n, int):
+        out = _one_row(rows, w) if n == 1 else _many_rows(rows, w)
+    else:
+        out = torch.cond(n == 1, _one_row, _many_rows, (rows, w))
+    out = out.reshape(*lead, w.shape[0])
+    return out if bias is None else out + bias
+
+
+def _addmm_by_width(bias: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return linear_by_width(x, w, bias)
+
+
+def _transposed_constant(node: object) -> "fx.Node | None":
+    """``W`` when ``node`` is ``permute(W, [1, 0])`` (or ``W.t()``) of a constant of the program."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target is torch.ops.aten.permute.default and list(node.args[1]) == [1, 0]:
+        src = node.args[0]
+    elif node.target is torch.ops.aten.t.default:
+        src = node.args[0]
+    else:
+        return None
+    return src if isinstance(src, fx.Node) and src.op == "get_attr" else None
+
+
+def _width_dependent(x: object) -> bool:
+    """An activation whose row count (all but the last dim) is the step's, i.e. symbolic."""
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dim() >= 2 and any(
+        isinstance(d, torch.SymInt) for d in val.shape[:-1])
+
+
+def _constant(node: object) -> "fx.Node | None":
+    return node if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def use_reductions_for_one_row(program: fx.GraphModule) -> int:
+    """Rewrite the program's linears (in place) to branch on the width; returns how many."""
+    count = 0
+    for node in list(program.graph.nodes):
+        if node.op != "call_function":
+            continue
+        wt = None
+        if node.target is torch.ops.aten.linear.default and not node.kwargs:
+            x, w = node.args[0], _constant(node.args[1])
+            args = (x, w, *node.args[2:])
+        elif node.target is torch.ops.aten.mm.default:
+            x, wt = node.args
+            w = _transposed_constant(wt)
+            args = (x, w)
+        elif node.target is torch.ops.aten.addmm.default and len(node.args) == 3 and not node.kwargs:
+            bias, x, wt = node.args
+            w = _transposed_constant(wt)
+            args = (bias, x, w)
+        else:
+            continue
+        if w is None or not _width_dependent(x):
+            continue
+        with program.graph.inserting_before(node):
+            fn = _addmm_by_width if node.target is torch.ops.aten.addmm.default else linear_by_width
+            new = program.graph.call_function(fn, args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        program.graph.erase_node(node)
+        if wt is not None and not wt.users:  # the transpose was the linear's own
+            program.graph.erase_node(wt)
+        count += 1
+    program.recompile()
+    return count
