@@ -23,8 +23,9 @@ Each program lives in a process of its own (``benchmarks/lib/peer_worker.py``,
 one compute thread) for the whole run, and they take turns: every round each
 program, in a rotated order, fills its cache with a fixed prompt to 200 and
 then 2,000 tokens and at each decodes ``--steps`` greedy tokens on the idle
-machine and ``--steps`` more with one spinning Python process per core (the
-busy machine; which window goes first alternates by round), then prefills a
+machine and the same steps again, rewound to that context, with one spinning
+Python process per core (the busy machine; which window goes first alternates
+by round), then prefills a
 512-token prompt. Shared cores drift; turns make the drift land on every
 program alike, and every ratio is taken inside this one run. The busy ratios
 are the busy window's median step and its slowest step over the idle median.
@@ -129,14 +130,19 @@ def worker_cmd(name: str, path: str, threads: int, *extra: str) -> List[str]:
             "--threads", str(threads), *extra]
 
 
-def one_shot(cmd: List[str], log: Path) -> Dict[str, object]:
-    """Run a worker that answers once and exits; its ``@@`` line."""
+def sample_texts(names: Sequence[str], builds: Dict[str, Dict[str, object]], threads: int,
+                 workdir: Path) -> Dict[str, Dict[str, object]]:
+    """A greedy chat answer from each llama.cpp file (written here, so worth a look), all side by side."""
+    log = workdir / "workers.log"
     with open(log, "a") as err:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, timeout=1200)
-    for line in done.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    raise RuntimeError(f"{' '.join(cmd[3:])} failed (rc {done.returncode}); see {log}")
+        procs = {n: subprocess.Popen(worker_cmd(n, builds[n]["path"], threads, "--sample-text"), stdout=subprocess.PIPE,
+                                     stderr=err, text=True, cwd=REPO) for n in names}
+        out: Dict[str, Dict[str, object]] = {}
+        for n, proc in procs.items():
+            stdout, _ = proc.communicate(timeout=1200)
+            lines = [ln for ln in stdout.splitlines() if ln.startswith(MARK)]
+            out[n] = json.loads(lines[-1][len(MARK):]) if lines else {"text": None, "error": f"rc {proc.returncode}"}
+    return out
 
 
 def warm_page_cache(path: str) -> None:
@@ -234,6 +240,8 @@ def measure(names: List[str], builds: Dict[str, Dict[str, object]], rounds: int,
                     raw[n]["prefill"].append(workers[n].ask(cmd="prefill", tokens=PREFILL_TOKENS))
                     others.append({"round": r, "program": n, "others_busy": contention.others_fraction()})
                     bar.update()
+                # What is measured so far survives a run cut short.
+                (workdir / "raw_partial.json").write_text(json.dumps(raw))
         for n, w in workers.items():
             raw[n]["rss_end"] = w.ask(cmd="rss")
         raw["_machine_others_busy_idle"] = others  # type: ignore[assignment]
@@ -274,9 +282,9 @@ def summarize(name: str, b: Dict[str, object], m: Dict[str, object]) -> Dict[str
     row["rss_load_mib"] = m["worker"]["rss_load_mib"]
     row["rss_peak_mib"] = m["rss_end"]["peak_rss_mib"]
     row["rss_end_mib"] = m["rss_end"]["rss_mib"]
-    # The KV that peak held: offgraph's grows with the context (largest reached: 2,000 + idle and busy steps);
+    # The KV that peak held: offgraph's grows with the context (largest reached: 2,000 + steps);
     # the peers allocate theirs at load.
-    longest = max(CONTEXTS) + 2 * len(m["decode"][0][str(max(CONTEXTS))]["idle"]["step_ms"]) if m["decode"] else 0
+    longest = max(CONTEXTS) + len(m["decode"][0][str(max(CONTEXTS))]["idle"]["step_ms"]) if m["decode"] else 0
     kv = b["kv_bytes_per_token"] * longest if "kv_bytes_per_token" in b else b.get("kv_bytes_fixed", 0)
     row["kv_mib"] = kv / MIB
     row["rss_peak_over_weights_kv"] = row["rss_peak_mib"] / ((b["weight_bytes"] + kv) / MIB)
@@ -481,9 +489,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except Exception as e:  # noqa: BLE001 - one peer failing to build leaves the rest to compare
             failed[n] = f"build failed: {str(e)[-1500:]}"
             names.remove(n)
-    texts = {}
-    for n in [n for n in names if PROGRAMS[n][0] == "llamacpp"]:
-        texts[n] = one_shot(worker_cmd(n, builds[n]["path"], a.threads, "--sample-text"), a.workdir / "workers.log")
+    texts = sample_texts([n for n in names if PROGRAMS[n][0] == "llamacpp"], builds, a.threads, a.workdir)
     raw = measure(names, builds, a.rounds, a.load_rounds, a.steps, a.threads, a.busy_procs, a.workdir)
     others = raw.pop("_machine_others_busy_idle")
     (a.workdir / "raw.json").write_text(json.dumps(raw))

@@ -12,6 +12,7 @@ A build already in the workdir is reused (``<artifact>.build.json`` records how 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Dict
@@ -90,7 +91,9 @@ def build_xnnpack(workdir: Path, src: Path) -> Dict[str, object]:
     t0 = time.perf_counter()
     meta_dir = workdir / "meta_checkpoint"
     files = write_meta_checkpoint(src, meta_dir)
-    # build_stock runs export_llama in meta_dir on consolidated.00.pth + params.json.
-    info = build_stock(meta_dir, XNNPACK_CONTEXT, XNNPACK_MAX_SEQ, out)
+    # build_stock runs export_llama in meta_dir on consolidated.00.pth + params.json; export_llama
+    # writes its .pte into its working directory whatever --output-dir says, so the file is moved after.
+    info = build_stock(meta_dir, XNNPACK_CONTEXT, XNNPACK_MAX_SEQ, meta_dir / out.name)
+    os.replace(meta_dir / out.name, out)
     return _record(out, dict(info, **files, path=str(out), bytes=out.stat().st_size,
                              build_s=time.perf_counter() - t0))

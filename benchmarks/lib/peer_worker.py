@@ -21,9 +21,9 @@ one run and meet the same machine. Commands:
 - ``{"cmd": "decode", "contexts": [200, 2000], "steps": 40, "busy_procs": 2}``:
   from an empty cache, prefill the fixed prompt ids up to each context, then
   ``steps`` greedy decode steps (next token = argmax of the logits) on the
-  idle machine and ``steps`` more with ``busy_procs`` spinning processes (one
-  prompt fill serves both; which goes first alternates with ``busy_first``);
-  the wall time of each step's forward call only;
+  idle machine, and the same steps again, rewound to the context, with
+  ``busy_procs`` spinning processes (which goes first alternates with
+  ``busy_first``); the wall time of each step's forward call only;
 - ``{"cmd": "prefill", "tokens": 512}``: from an empty cache, the prompt in
   the program's widest calls, timed as a whole;
 - ``{"cmd": "rss"}``; ``{"cmd": "quit"}``.
@@ -126,19 +126,31 @@ def fill(prog: Program, ids: torch.Tensor, start: int, end: int) -> "object":
     return logits
 
 
+def rewind(prog: Program, to: int, pos: int) -> None:
+    """Forget positions ``to..pos-1``: offgraph-kv's store drops them; llama.cpp drops them itself at the
+    next step (``n_tokens`` moves back); the static cache is overwritten, its op masks by position."""
+    if isinstance(prog, OffGraphProgram) and pos > to:
+        prog.store.rewind(pos - to)
+
+
 def decode(prog: Program, contexts: Sequence[int], steps: int, busy_procs: int, busy_first: bool) -> \
         Dict[str, Dict[str, object]]:
     """Greedy decode ``steps`` tokens at each context (filled with the fixed prompt ids up to it), idle and
-    with ``busy_procs`` spinning processes: one fill serves both, and the two windows sit side by side."""
-    ids = token_ids(max(contexts) + 2 * steps, VOCAB, seed=1234)
+    with ``busy_procs`` spinning processes: one fill serves both windows, the second rewound to the same
+    context and logits, so both decode the same tokens at the same positions (and 2,000 + steps fits 2,048)."""
+    ids = token_ids(max(contexts), VOCAB, seed=1234)
     prog.reset()
     pos = 0
     out: Dict[str, Dict[str, object]] = {}
     for ctx in sorted(contexts):
-        logits = fill(prog, ids, pos, ctx)
+        filled = fill(prog, ids, pos, ctx)
+        if not isinstance(filled, torch.Tensor):
+            filled = filled.copy()  # llama.cpp's logits are a view of its buffer, rewritten by the next step
         pos = ctx
         out[str(ctx)] = {}
         for cond in (("busy", "idle") if busy_first else ("idle", "busy")):
+            rewind(prog, ctx, pos)
+            pos, logits = ctx, filled
             times: List[float] = []
             generated: List[int] = []
             with Busy(busy_procs if cond == "busy" else 0):
