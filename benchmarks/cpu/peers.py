@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.lib.machine import Contention, describe, now_utc
+from benchmarks.lib.machine import describe, now_utc
 from benchmarks.lib.paths import REPO, RESULTS
 
 MIB = 2**20
@@ -236,9 +236,9 @@ def measure(names: List[str], builds: Dict[str, Dict[str, object]], rounds: int,
                     # Which condition goes first alternates by round.
                     raw[n]["decode"].append(workers[n].ask(cmd="decode", contexts=list(CONTEXTS), steps=steps,
                                                            busy_procs=busy_procs, busy_first=r % 2 == 1))
-                    contention = Contention()  # the prefill windows are idle ones: who else used the cores
                     raw[n]["prefill"].append(workers[n].ask(cmd="prefill", tokens=PREFILL_TOKENS))
-                    others.append({"round": r, "program": n, "others_busy": contention.others_fraction()})
+                    # The prefill windows are idle ones: who else used the cores (the worker measures, less itself).
+                    others.append({"round": r, "program": n, "others_busy": raw[n]["prefill"][-1]["others_busy"]})
                     bar.update()
                 # What is measured so far survives a run cut short.
                 (workdir / "raw_partial.json").write_text(json.dumps(raw))
@@ -436,7 +436,7 @@ def report(result: Dict[str, object], out: Path) -> None:
     md = (f"### offgraph-kv against llama.cpp and stock ExecuTorch: SmolLM2-135M-Instruct on CPU ({result['date']})\n\n"
           f"`{result['command']}` ({result['minutes']:.0f} min); {m.get('cpu_model', '')}, "
           f"{m.get('cores_usable', '?')} usable cores shared with other jobs (other processes kept "
-          f"{result['others_busy_idle']} of the cores busy during the idle windows); torch {m.get('torch')}, "
+          f"{result['others_busy_idle']} of the cores busy during the prefills); torch {m.get('torch')}, "
           f"executorch {m.get('executorch')}, llama-cpp-python {result.get('llama_cpp_version')}; "
           f"{result['threads']} compute thread per program, each in its own process; {result['rounds']} rounds "
           f"of {result['steps']} greedy steps per context, programs in turns; busy = one spinning Python process "

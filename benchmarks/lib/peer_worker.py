@@ -49,7 +49,7 @@ import executorch.extension.llm.custom_ops.custom_ops  # noqa: E402,F401  (the s
 
 import offgraph_kv.runtime  # noqa: E402,F401  (registers the delegate)
 
-from benchmarks.lib.machine import Busy, rss_mib  # noqa: E402
+from benchmarks.lib.machine import Busy, Contention, rss_mib  # noqa: E402
 from benchmarks.lib.measure import OffGraphProgram, Program, StockProgram, token_ids  # noqa: E402
 
 try:  # optional peer: its absence only rules out the llamacpp kind
@@ -169,10 +169,12 @@ def decode(prog: Program, contexts: Sequence[int], steps: int, busy_procs: int, 
 def prefill(prog: Program, tokens: int) -> Dict[str, object]:
     ids = token_ids(tokens, VOCAB, seed=99)
     prog.reset()
+    contention = Contention()  # measured here: this process's own CPU time is not "others"
     t = time.perf_counter()
     fill(prog, ids, 0, tokens)
     took = time.perf_counter() - t
-    return {"tokens": tokens, "s": took, "tokens_per_s": tokens / took, "width": prog.max_width}
+    return {"tokens": tokens, "s": took, "tokens_per_s": tokens / took, "width": prog.max_width,
+            "others_busy": contention.others_fraction()}
 
 
 def warm_up(prog: Program) -> None:
