@@ -24,35 +24,14 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
 from benchmarks.lib.machine import describe, now_utc
 from benchmarks.lib.paths import REPO, RESULTS
+from benchmarks.lib.smollm2 import MAX_WRITE, VOCAB, export
 
-EXPORT = REPO / "examples" / "llama" / "export.py"
-VOCAB = 49_152
-MAX_WRITE = 64  # export.py's default prefill chunk
 CONTEXTS = ("200", "2000")
-
-
-def export(variant: str, workdir: Path, reuse: bool) -> Dict[str, object]:
-    """``export.py`` for one ``weights-kv`` variant; wall time of the whole export process
-    (``reuse``: a program already in ``workdir`` is measured again; its export time is the one recorded then)."""
-    weights, kv = variant.split("-")
-    pte = workdir / f"smollm2_{variant}.pte"
-    took = pte.with_suffix(".export_s")
-    if reuse and pte.exists() and took.exists():
-        return {"path": str(pte), "export_s": float(took.read_text()), "pte_bytes": pte.stat().st_size, "reused": True}
-    precision = ["--dtype", "bf16", "--quantize", weights] if weights in ("int8", "int4") else ["--dtype", weights]
-    t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, str(EXPORT), "--out", str(pte), *precision, "--storage-dtype", kv,
-                           "--max-write", str(MAX_WRITE), "--quiet"], capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"export of {variant} failed:\n{done.stderr[-3000:]}")
-    took.write_text(repr(time.perf_counter() - t0))
-    return {"path": str(pte), "export_s": float(took.read_text()), "pte_bytes": pte.stat().st_size}
 
 
 def measure(pte: str, out: Path) -> Dict[str, object]:

@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ import torch  # noqa: E402
 import offgraph_kv.runtime as ogr  # noqa: E402
 from executorch.runtime import Runtime  # noqa: E402
 
-from benchmarks.lib.machine import Contention, describe, now_utc  # noqa: E402
+from benchmarks.lib.machine import Busy, Contention, describe, now_utc  # noqa: E402
 
 SESSIONS = {"1 thread": 1, "2 threads": 2, "default": None}
 CONDITIONS = ("idle", "busy")
@@ -73,25 +72,6 @@ class Session:
         t = time.perf_counter()
         self.method.execute([tokens, positions(start, tokens.shape[1])])
         return time.perf_counter() - t
-
-
-class Busy:
-    """One spinning Python process per core while inside."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.procs: List[subprocess.Popen] = []
-
-    def __enter__(self) -> "Busy":
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
-        time.sleep(0.5)  # let them reach the scheduler's steady state
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
 
 
 def summary(ms: List[float]) -> Dict[str, float]:

@@ -6,8 +6,10 @@ import datetime
 import os
 import platform
 import resource
+import subprocess
+import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 
 def cpu_model() -> str:
@@ -107,3 +109,23 @@ class Contention:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         others = (busy - self.busy0) - (_own_seconds() - self.own0)
         return max(0.0, min(1.0, others / max(wall * cores, 1e-9)))
+
+
+class Busy:
+    """One spinning Python process per core while inside (``n`` of them): the busy-machine case
+    of the thread and peer benchmarks, a load every desktop or phone meets."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: List[subprocess.Popen] = []
+
+    def __enter__(self) -> "Busy":
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        time.sleep(0.5)  # let them reach the scheduler's steady state
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
