@@ -90,8 +90,9 @@ std::unique_ptr<CompiledProgram> CompiledProgram::load(const void* code, size_t 
   // Every run of a method comes from one thread at a time (a container per
   // load), which the single-threaded entry asks for; it skips the model pool
   // and its per-run CUDA event. Older code has only the threaded one.
-  std::string absent;
-  prog->single_threaded_ = resolve(lib, "AOTInductorModelContainerRunSingleThreaded", &prog->run_, &absent);
+  std::string optional_missing;  // entry points the load does without
+  prog->single_threaded_ =
+      resolve(lib, "AOTInductorModelContainerRunSingleThreaded", &prog->run_, &optional_missing);
   if (!prog->single_threaded_) resolve(lib, "AOTInductorModelContainerRun", &prog->run_, &missing);
   resolve(lib, "AOTInductorModelContainerGetNumInputs", &get_inputs, &missing);
   resolve(lib, "AOTInductorModelContainerGetNumOutputs", &get_outputs, &missing);
@@ -107,8 +108,7 @@ std::unique_ptr<CompiledProgram> CompiledProgram::load(const void* code, size_t 
     *status = Status(Error::InvalidProgram, "compiled code lacks the AOTI entry point " + missing);
     return nullptr;
   }
-  std::string unused;
-  resolve(lib, "AOTInductorGetLastError", &prog->last_error_, &unused);  // optional
+  resolve(lib, "AOTInductorGetLastError", &prog->last_error_, &optional_missing);
   prog->device_type_ = device == "cuda" ? cuda_code() : cpu_code();
   if (create(&prog->container_, 1, device.c_str(), nullptr) != 0 || prog->container_ == nullptr) {
     *status = Status(Error::InvalidProgram, "AOTInductor could not create the model container for " + device);

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <exception>
+#include <optional>
 #include <string>
 
 #include "step_graph.h"
@@ -30,14 +31,18 @@ class TorchStepGraph final : public StepGraph {
     try {
       // The compiled code sets this stream current itself; the guard makes the
       // capture (and its allocation filter) watch the same one.
-      c10::cuda::CUDAStreamGuard guard(external(stream));
+      const c10::cuda::CUDAStream on = external(stream);
+      c10::cuda::CUDAStreamGuard guard(on);
       auto graph = std::make_unique<at::cuda::CUDAGraph>();
       // Thread-local: other threads' unrelated CUDA calls stay legal; nothing
       // else enqueues on this stream meanwhile (the executor holds it alone).
       graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
       launched = launch();
       graph->capture_end();  // ends the capture even when the launch failed
-      if (launched.ok()) graph_ = std::move(graph);
+      if (launched.ok()) {
+        graph_ = std::move(graph);
+        stream_ = on;  // replays go to the same stream: resolved once here, not per token
+      }
     } catch (const std::exception& e) {
       cudaGetLastError();  // capture errors are not sticky; do not leave one for the next call
       return Status(Error::Internal, std::string("CUDA graph capture failed: ") + first_line(e.what()));
@@ -47,8 +52,10 @@ class TorchStepGraph final : public StepGraph {
 
   Status replay(void* stream) override {
     if (!graph_) return Status(Error::InvalidState, "no captured CUDA graph to replay");
+    if (stream_->stream() != static_cast<cudaStream_t>(stream))
+      return Status(Error::InvalidArgument, "a CUDA graph replays on the stream it was captured on");
     try {
-      c10::cuda::CUDAStreamGuard guard(external(stream));
+      c10::cuda::CUDAStreamGuard guard(*stream_);
       graph_->replay();
     } catch (const std::exception& e) {
       return Status(Error::Internal, std::string("CUDA graph replay failed: ") + first_line(e.what()));
@@ -62,6 +69,7 @@ class TorchStepGraph final : public StepGraph {
     return text.substr(0, text.find('\n'));
   }
   std::unique_ptr<at::cuda::CUDAGraph> graph_;
+  std::optional<c10::cuda::CUDAStream> stream_;
 };
 
 std::unique_ptr<StepGraph> make(Status* status) {
