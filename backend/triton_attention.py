@@ -23,15 +23,21 @@ each program owns one KV head, one block of folded query rows (row
 is read once per KV head group, GQA native) and one contiguous share of the
 key range the block can see (flat: ``0 .. length + T``, lower-right causal per
 row; ring: ``length - window + 1 ..``, the band by position, each position at
-slot ``position mod slots``). Keys before ``length`` come from storage; the
-step's own keys come straight from the ``k``/``v`` inputs, so no program waits
-for another's write. Split 0 of row block 0 also writes the step's K/V rows
-into storage (flat: rows ``length + j``; ring: slots ``(length + j) mod
-slots``, two runs when it wraps). Those rows are never read by this launch:
-flat rows ``>= length`` come from the inputs, and a ring has
-``slots >= window + T - 1``, so the slots it overwrites held positions no
-query of this step can see. Each program keeps an online softmax in fp32
-(base 2) and leaves its partial output, max and sum.
+slot ``position mod slots``). Keys before ``length`` come from storage, in a
+loop of plain strided loads (a ring computes one slot per block: a block wraps
+at most once); the step's own keys come straight from the ``k``/``v`` inputs
+in a second loop, so no program waits for another's write. Split 0 of row
+block 0 also writes the step's K/V rows into storage (flat: rows ``length + j``;
+ring: slots ``(length + j) mod slots``, two runs when it wraps). Those rows are
+never read by this launch: flat rows ``>= length`` come from the inputs, and a
+ring has ``slots >= window + T - 1``, so the slots it overwrites held positions
+no query of this step can see. Each program keeps an online softmax in fp32
+(base 2) and leaves its partial output, max and sum. The kernel is compiled
+twice: 16-row blocks for narrow steps (up to 64 folded rows: decode), 128-row
+blocks for wide ones (prefill chunks: each key block read once per 128 rows).
+Both are launched every step and the idle one has a grid of zero programs,
+which the launcher skips: the width is a symbolic shape, so the choice is made
+on the device side of the launch, not at export.
 
 Launch 2, ``_combine``, grid ``(T * G, H_kv)``, merges one row's partials
 from every split in one tile (a single round of loads) and writes the
@@ -65,6 +71,10 @@ BLOCK_N = 64  # keys per inner step
 PROGRAMS_PER_SM = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
+WIDE_ROWS = 64  # steps with more folded query rows than this take the wide variant
+WIDE_BLOCK_M = 128
+WIDE_BLOCK_N = 64
+WIDE_NUM_WARPS = 8
 _DEFAULT_SMS = 132  # an H200's count, for tracing off the GPU (the interpreter tests)
 
 # At export, "torch" keeps CUDA 16-bit programs on torch's attention ops (the
@@ -105,6 +115,31 @@ def _next_pow2(n: int) -> int:
 if HAVE_TRITON:
 
     @triton.jit
+    def _attend_block(q, k, v, kp, k_ok, qpos, m_i, l_i, acc, scale_log2, window,
+                      RING: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
+        # One key block into the running softmax (base 2, fp32 state).
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        # AOTInductor passes the scale as fp64: keep the softmax state fp32.
+        s = (s * scale_log2).to(tl.float32)
+        seen = k_ok[None, :]
+        if CAUSAL:
+            seen = seen & (kp[None, :] <= qpos[:, None])
+        if RING:
+            seen = seen & (kp[None, :] > qpos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+    @triton.jit
     def _update_attend_partial(
         Q, KN, VN, KS, VS, LEN, ACC, MAX, SUM,
         sq_h, sq_t, sq_d, skn_h, skn_t, skn_d, svn_h, svn_t, svn_d,
@@ -124,11 +159,12 @@ if HAVE_TRITON:
         dv = tl.arange(0, BDV)
         d_ok = d < D
         dv_ok = dv < DV
+        nb = tl.arange(0, BLOCK_N)
 
         # The step's write: one program per KV head, the step's T rows into storage.
         if (split == 0) & (mb == 0):
             for j0 in range(0, T, BLOCK_N):
-                j = j0 + tl.arange(0, BLOCK_N)
+                j = j0 + nb
                 j_ok = j < T
                 pos = length + j
                 if RING:
@@ -166,41 +202,37 @@ if HAVE_TRITON:
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a row that sees nothing here gives 0, not NaN
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BDV], tl.float32)
-        for k0 in range(start, end, BLOCK_N):
-            kp = k0 + tl.arange(0, BLOCK_N)
-            k_ok = kp < end
-            stored = kp < length
+        # Keys before the length come from storage: every query sees them (flat),
+        # or those in its band (ring). A ring's slots follow the position, and a
+        # split's range spans at most ``slots`` positions, so a block wraps at most
+        # once: one modulo per block, not one 64-bit division per key.
+        stored_end = tl.minimum(end, length)
+        for k0 in range(start, stored_end, BLOCK_N):
+            kp = k0 + nb
+            k_ok = kp < stored_end
             if RING:
-                srow = kp % slots
+                srow = (k0 % slots) + nb
+                srow = tl.where(srow >= slots, srow - slots, srow)
             else:
                 srow = kp
+            k = tl.load(KS + srow[:, None] * sks_r + h * sks_h + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            v = tl.load(VS + srow[:, None] * svs_r + h * svs_h + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
+                        other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, v, kp, k_ok, qpos, m_i, l_i, acc, scale_log2, window,
+                                          RING=RING, CAUSAL=False, DOT_F32=DOT_F32)
+        # The step's own keys come straight from its inputs (no program waits for
+        # another's write), lower-right causal.
+        for k0 in range(tl.maximum(start, length), end, BLOCK_N):
+            kp = k0 + nb
+            k_ok = kp < end
             new = kp - length
-            kmask = k_ok[:, None] & d_ok[None, :]
-            k_ptr = tl.where(stored[:, None], KS + srow[:, None] * sks_r + h * sks_h + d[None, :],
-                             KN + h * skn_h + new[:, None] * skn_t + d[None, :] * skn_d)
-            k = tl.load(k_ptr, mask=kmask, other=0.0)
-            if DOT_F32:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-            else:
-                s = tl.dot(q, tl.trans(k))
-            # AOTInductor passes the scale as fp64: keep the softmax state fp32.
-            s = (s * scale_log2).to(tl.float32)
-            seen = row_ok[:, None] & k_ok[None, :] & (kp[None, :] <= qpos[:, None])
-            if RING:
-                seen = seen & (kp[None, :] > qpos[:, None] - window)
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            v_ptr = tl.where(stored[:, None], VS + srow[:, None] * svs_r + h * svs_h + dv[None, :],
-                             VN + h * svn_h + new[:, None] * svn_t + dv[None, :] * svn_d)
-            v = tl.load(v_ptr, mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
-            if DOT_F32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            k = tl.load(KN + h * skn_h + new[:, None] * skn_t + d[None, :] * skn_d,
+                        mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(VN + h * svn_h + new[:, None] * svn_t + dv[None, :] * svn_d,
+                        mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, v, kp, k_ok, qpos, m_i, l_i, acc, scale_log2, window,
+                                          RING=RING, CAUSAL=True, DOT_F32=DOT_F32)
 
         part = (split * n_kv + h) * n_rows + rows
         tl.store(MAX + part, m_i, mask=row_ok)
@@ -252,23 +284,37 @@ if HAVE_TRITON:
         k = k.to(k_store.dtype)
         v = v.to(v_store.dtype)
         n_rows = t * g
-        row_blocks = (n_rows + BLOCK_M - 1) // BLOCK_M
+        # Two variants of the partial kernel, one launched per step: the width is
+        # a shape the program leaves symbolic, so both launches are compiled in
+        # and the idle one gets a grid of zero programs, which AOTInductor's
+        # launcher skips (no kernel runs). Narrow steps (decode) fold up to 64
+        # query rows into 16-row blocks and spread the keys over splits; wide
+        # steps (prefill chunks) take 128-row blocks, so each key block is read
+        # once per 128 rows and the dot products are large enough for the
+        # tensor cores' widest instructions.
+        wide = torch.sym_min(1, (n_rows - 1) // WIDE_ROWS)
         programs = PROGRAMS_PER_SM * _multiprocessors(q.device)
-        splits = torch.sym_max(1, programs // (hkv * row_blocks))
+        narrow_blocks = (n_rows + BLOCK_M - 1) // BLOCK_M
+        wide_blocks = (n_rows + WIDE_BLOCK_M - 1) // WIDE_BLOCK_M
+        narrow_splits = (1 - wide) * torch.sym_max(1, programs // (hkv * narrow_blocks))
+        wide_splits = wide * torch.sym_max(1, programs // (hkv * wide_blocks))
+        splits = narrow_splits + wide_splits
         acc = torch.empty((splits, hkv, n_rows, dv), device=q.device, dtype=torch.float32)
         mx = torch.empty((splits, hkv, n_rows), device=q.device, dtype=torch.float32)
         sm = torch.empty((splits, hkv, n_rows), device=q.device, dtype=torch.float32)
         out = torch.empty((1, t, hq, dv), device=q.device, dtype=out_dtype)
-        wrap_triton(_update_attend_partial)[(splits, hkv, row_blocks)](
-            q, k, v, k_store, v_store, length, acc, mx, sm,
-            q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), k.stride(3),
-            v.stride(1), v.stride(2), v.stride(3),
-            k_store.stride(1), k_store.stride(2), v_store.stride(1), v_store.stride(2),
-            t, k_store.shape[1], window, splits, scale * 1.4426950408889634,
-            G=g, D=d, DV=dv, BD=_next_pow2(d), BDV=_next_pow2(dv), RING=window > 0,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_F32=_interpreted_bf16(k_store.dtype),
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-        )
+        args = (q, k, v, k_store, v_store, length, acc, mx, sm,
+                q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), k.stride(3),
+                v.stride(1), v.stride(2), v.stride(3),
+                k_store.stride(1), k_store.stride(2), v_store.stride(1), v_store.stride(2),
+                t, k_store.shape[1], window, splits, scale * 1.4426950408889634)
+        shape = dict(G=g, D=d, DV=dv, BD=_next_pow2(d), BDV=_next_pow2(dv), RING=window > 0,
+                     DOT_F32=_interpreted_bf16(k_store.dtype), num_stages=NUM_STAGES)
+        # The zero-able extent is the grid's first: launchers skip a launch when it is 0.
+        wrap_triton(_update_attend_partial)[(narrow_splits, hkv, narrow_blocks)](
+            *args, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, **shape)
+        wrap_triton(_update_attend_partial)[(wide_splits, hkv, wide_blocks)](
+            *args, BLOCK_M=WIDE_BLOCK_M, BLOCK_N=WIDE_BLOCK_N, num_warps=WIDE_NUM_WARPS, **shape)
         wrap_triton(_combine)[(n_rows, hkv)](
             acc, mx, sm, out, out.stride(1), out.stride(2), t, splits,
             G=g, DV=dv, BDV=_next_pow2(dv), BLOCK_S=_next_pow2(max(1, programs // hkv)), num_warps=4,

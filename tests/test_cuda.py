@@ -189,24 +189,26 @@ def test_cuda_million_row_reservation_for_an_8b_shaped_store_costs_no_device_mem
 def test_cuda_kernels_mixed_ring_and_flat_layers_match_oracle(model, dtype, tmp_path, monkeypatch):
     # 16-bit storage on CUDA attends through our Triton kernels (the default; one
     # op per layer: write at the length read from device memory, then attend):
-    # rings of 6 and 16 beside a flat layer, prompt chunks that straddle wraps and growths.
+    # rings of 6 and 16 beside a flat layer; a 40-token prompt chunk (80 folded
+    # query rows: the wide kernel variant), then chunks that straddle wraps and growths.
     monkeypatch.setenv("OFFGRAPH_KV_CUDA_ATTENTION", "triton")
     layers = MIXED
     path = tmp_path / "kernels.pte"
-    path.write_bytes(lower(model, device="cuda", storage_dtype=dtype, initial_capacity=8, layers=layers, max_write=8))
+    path.write_bytes(lower(model, 40, device="cuda", storage_dtype=dtype, initial_capacity=8, layers=layers,
+                           max_write=40))
     assert b"_update_attend_partial" in path.read_bytes(), "the program does not embed the Triton kernels"
     session = Session(path)
     oracle = Oracle(model, dtype, layers=layers)
-    tokens = prompt(21, seed=4)
-    for start in range(0, 21, 8):
-        chunk = tokens[:, start:start + 8]
+    tokens = prompt(61, seed=4)
+    for start, end in ((0, 40), (40, 48), (48, 56), (56, 61)):
+        chunk = tokens[:, start:end]
         torch.testing.assert_close(session.step(chunk), oracle.step(chunk), atol=TOL[dtype], rtol=TOL[dtype])
     nxt = prompt(1, seed=9)
     for _ in range(40):
         got, want = session.step(nxt), oracle.step(nxt)
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
         nxt = greedy(want)
-    assert session.store.length == 61
+    assert session.store.length == 101
 
 
 @pytest.mark.parametrize("growth", ["map", "copy"])

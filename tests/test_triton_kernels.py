@@ -86,3 +86,22 @@ def test_long_decode_spreads_over_splits_and_matches_reference(dtype):
     # Long enough that every split holds several key blocks (and the last one a partial block).
     q, k, v, ks, vs = _step(32, 8, 128, 1, 4200, dtype, seed=11)
     _check(q, k, v, ks, vs, 4199, window=0)
+
+
+@DTYPES
+@GROUPS
+@pytest.mark.parametrize("length,t", [(0, 70), (37, 70), (130, 17)], ids=["prompt", "chunk-after-70", "gqa-wide"])
+def test_wide_flat_step_takes_the_wide_variant_and_attends_lower_right_causal(length, t, hq, hkv, dtype):
+    # More than 64 folded query rows (t x the group) run the 128-row variant;
+    # (130, 17) is wide only with a group of 4 (68 rows), narrow with 1.
+    q, k, v, ks, vs = _step(hq, hkv, 64, t, length + t + 3, dtype, seed=length + t)
+    _check(q, k, v, ks, vs, length, window=0)
+
+
+@DTYPES
+@pytest.mark.parametrize("length", [0, 20, 95], ids=["before-wrap", "straddles-wrap", "wrapped"])
+def test_wide_ring_step_writes_each_position_mod_slots_and_attends_its_band(length, dtype):
+    window, max_write, t = 32, 70, 70
+    slots = window + max_write - 1
+    q, k, v, ks, vs = _step(8, 2, 64, t, slots, dtype, seed=length)
+    _check(q, k, v, ks, vs, length, window)

@@ -52,16 +52,36 @@ def timed_ms(step: Callable[[], None], steps: int) -> Dict[str, float]:
     return {"median_ms": statistics.median(times), "min_ms": min(times)}
 
 
+# Two device events further apart than this are separated by host work (a
+# step's end, the host's turn, the next step's staging); closer ones are the
+# device's own launch gaps inside a graph (about a microsecond on an H200).
+HOST_GAP_US = 10.0
+
+
 def gpu_busy(step: Callable[[], None], steps: int) -> Dict[str, float]:
-    """Kernels and GPU-busy ms per step from CUPTI (kernels inside graphs included)."""
+    """Kernels, GPU-busy ms per step from CUPTI (kernels inside graphs included),
+    and the device's timeline per step: the time the device was working on the
+    step (kernels, copies and the launch gaps between them) against the time it
+    waited for the host (gaps over ``HOST_GAP_US``)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
             step()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in device if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels) / steps
-    return {"kernels_per_step": len(kernels) / steps, "gpu_busy_ms": busy_us / 1e3}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device)
+    working = host_wait = 0.0
+    cur_start, cur_end = spans[0]
+    for start, end in spans[1:]:
+        if start - cur_end > HOST_GAP_US:
+            working += cur_end - cur_start
+            host_wait += start - cur_end
+            cur_start = start
+        cur_end = max(cur_end, end)
+    working += cur_end - cur_start
+    return {"kernels_per_step": len(kernels) / steps, "gpu_busy_ms": busy_us / 1e3,
+            "device_working_ms": working / steps / 1e3, "host_wait_ms": host_wait / max(1, steps - 1) / 1e3}
 
 
 def measure_offgraph(pte: Path, contexts: List[int], steps: int, vocab: int, graphs: bool) -> Dict[str, object]:
@@ -156,6 +176,12 @@ def targets(r: Dict[str, object]) -> List[str]:
         lines.append(f"{verdict(share >= 0.85)}  GPU busy at {contexts[0]}: {g['gpu_busy_ms']:.3f} of "
                      f"{g['median_ms']:.3f} ms = {100 * share:.0f} % (>= 85 %), {g['kernels_per_step']:.0f} kernels "
                      f"per step")
+    if "device_working_ms" in g:
+        share = g["device_working_ms"] / g["median_ms"]
+        lines.append(f"{verdict(share >= 0.85)}  GPU working at {contexts[0]} (device timeline: kernels, copies and "
+                     f"the launch gaps between them): {g['device_working_ms']:.3f} of {g['median_ms']:.3f} ms = "
+                     f"{100 * share:.0f} % (>= 85 %); the device waited {1e3 * g['host_wait_ms']:.0f} us per step "
+                     f"for the host")
     if on:
         lines.append(f"info  graphs on: {on['graph_captures']} capture(s), {on['graph_replays']} replays, "
                      f"{on['growths']} growths ({on['growth']}), host work {on['host_us_per_step']:.1f} us/step")

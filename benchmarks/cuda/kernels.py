@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -165,6 +166,41 @@ def tuning_sweep(memcpy_Bps: float, contexts: List[int]) -> List[Dict[str, objec
     return rows
 
 
+def prefill_sweep(contexts: List[int]) -> List[Dict[str, object]]:
+    """Wide-step (prefill chunk) kernel variants, eager: rows and keys per block, warps, stages."""
+    from offgraph_kv.backend import triton_attention as ta
+
+    hq, hkv, d, tw = 32, 8, 128, 512
+    bf = torch.bfloat16
+    defaults = (ta.WIDE_BLOCK_M, ta.WIDE_BLOCK_N, ta.WIDE_NUM_WARPS, ta.NUM_STAGES)
+    rows = []
+    try:
+        for ctx in contexts:
+            ks = torch.randn(1, ctx + tw, hkv, d, device="cuda", dtype=bf)
+            vs = torch.randn_like(ks)
+            q = torch.randn(1, hq, tw, d, device="cuda", dtype=bf)
+            k = torch.randn(1, hkv, tw, d, device="cuda", dtype=bf)
+            v = torch.randn_like(k)
+            length = torch.tensor([ctx], device="cuda")
+            flops = 4 * hq * d * sum(ctx + i + 1 for i in range(tw))
+            for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+                ta.WIDE_BLOCK_M, ta.WIDE_BLOCK_N, ta.WIDE_NUM_WARPS, ta.NUM_STAGES = bm, bn, warps, stages
+                try:
+                    t = graph_time(lambda: ta.update_attend(q, k, v, ks, vs, length, 0, d ** -0.5, bf), reps=5)
+                except Exception as e:  # a variant out of shared memory or registers
+                    rows.append({"context": ctx, "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
+                                 "error": str(e).splitlines()[0][:160]})
+                    continue
+                rows.append({"context": ctx, "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
+                             "ms": t * 1e3, "TFLOPs": flops / t / 1e12})
+            best = max((r for r in rows if r["context"] == ctx and "ms" in r), key=lambda r: r["TFLOPs"])
+            print(f"prefill sweep ctx {ctx}: best {json.dumps(best)}", flush=True)
+            del ks, vs
+    finally:
+        ta.WIDE_BLOCK_M, ta.WIDE_BLOCK_N, ta.WIDE_NUM_WARPS, ta.NUM_STAGES = defaults
+    return rows
+
+
 def _build(shape: Dict[str, int], capacity: int, out: Path) -> Dict[str, object]:
     from benchmarks.lib.cuda_model import build
 
@@ -234,6 +270,7 @@ def main(argv: "list[str] | None" = None) -> int:
     p.add_argument("--workdir", default="/tmp/cuda_kernels")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time decode kernel variants (eager)")
+    p.add_argument("--prefill-sweep", action="store_true", help="also time wide-step kernel variants (eager)")
     p.add_argument("--build-only", help="(child) build one program to this path and exit")
     p.add_argument("--out", required=False)
     a = p.parse_args(argv)
@@ -300,6 +337,9 @@ def main(argv: "list[str] | None" = None) -> int:
         save()
     if a.sweep:  # last: the least needed part of a run that may be cut short
         result["sweep"] = tuning_sweep(memcpy_Bps, [32768, 131072])
+        save()
+    if a.prefill_sweep:
+        result["prefill_sweep"] = prefill_sweep([0, 4096])
         save()
     return 0
 

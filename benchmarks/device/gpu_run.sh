@@ -12,6 +12,8 @@
 #                                               # reuses /tmp/long/long_run.pte: `long_run --build-only` in an earlier run)
 #   bash benchmarks/device/gpu_run.sh sessions  # sessions, rewind, saved contexts and map growth on CUDA, + builds the long-run program
 #   bash benchmarks/device/gpu_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
+#   bash benchmarks/device/gpu_run.sh kernels-alone  # the kernels vs torch without the 16-layer programs, + the prefill sweep
+#   bash benchmarks/device/gpu_run.sh sanitize  # compute-sanitizer memcheck / racecheck / synccheck over our kernels with graphs (~5 min)
 #   bash benchmarks/device/gpu_run.sh graphs    # CUDA-graph decode: its CUDA tests + graphs on/off vs the gpt-fast recipe (~8 min)
 #   bash benchmarks/device/gpu_run.sh 8b-build  # exports the Llama-3-8B-shaped program to /tmp/w8b (~8 min)
 #   bash benchmarks/device/gpu_run.sh 8b        # ... then load it cold and time decode at 1K / 8K / 32K (~2 min)
@@ -93,6 +95,32 @@ case "${1:-tests}" in
     grep -E "^built|build failed|ctx|^\{" "$OUT/kernels.txt" | cut -c1-300
     wait
     grep -E "passed|failed" "$OUT/pytest_kernels.txt"
+    ;;
+  kernels-alone)
+    (timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py > "$OUT/pytest_kernels.txt" 2>&1
+     timeout 240 python3 -m pytest -q -p no:cacheprovider -n 2 tests/test_cuda.py -k "kernels_mixed" \
+       --junitxml="$OUT/cuda_kernels_tests_${TAG}.junit.xml" >> "$OUT/pytest_kernels.txt" 2>&1) &
+    export AOTI_RUNTIME_CHECK_INPUTS=0
+    timeout $(time_left 30) python3 -m benchmarks.cuda.kernels --skip-decode --prefill-sweep \
+      --out "$OUT/cuda_kernels_${TAG}.json" > "$OUT/kernels.txt" 2>&1
+    grep -E "ctx|window|^\{|Error" "$OUT/kernels.txt" | cut -c1-300
+    wait
+    grep -E "passed|failed" "$OUT/pytest_kernels.txt"
+    ;;
+  sanitize)
+    # Our Triton kernels launched by the compiled code and replayed from captured graphs,
+    # across growths (map and copy) and ring wraps, under each of the sanitizer's tools.
+    pte=/tmp/sanitize/kernels.pte; mkdir -p /tmp/sanitize
+    python3 -m benchmarks.cuda.sanitize --build "$pte" > "$OUT/sanitize_build.txt" 2>&1; tail -1 "$OUT/sanitize_build.txt"
+    for run in "memcheck map" "memcheck copy" "racecheck map" "synccheck map" "initcheck map"; do
+      set -- $run
+      left=$(time_left 10)
+      [ $left -gt 30 ] || { echo "no time left for $run"; break; }
+      timeout $left compute-sanitizer --tool $1 --error-exitcode 9 python3 -m benchmarks.cuda.sanitize "$pte" \
+        --growth $2 --expect-graphs > "$OUT/cuda_${1}_${2}_${TAG}.log" 2>&1
+      echo "$1 $2: rc $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/cuda_${1}_${2}_${TAG}.log" | tr '\n' ' ')"
+      grep -E "^graphs" "$OUT/cuda_${1}_${2}_${TAG}.log"
+    done
     ;;
   sessions)
     (timeout 400 python3 -m benchmarks.cuda.long_run --workdir /tmp/long --build-only > "$OUT/long_build.txt" 2>&1
