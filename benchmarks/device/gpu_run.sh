@@ -112,7 +112,7 @@ case "${1:-tests}" in
     # across growths (map and copy) and ring wraps, under each of the sanitizer's tools.
     pte=/tmp/sanitize/kernels.pte; mkdir -p /tmp/sanitize
     python3 -m benchmarks.cuda.sanitize --build "$pte" > "$OUT/sanitize_build.txt" 2>&1; tail -1 "$OUT/sanitize_build.txt"
-    for run in "memcheck map" "memcheck copy" "racecheck map" "synccheck map" "initcheck map"; do
+    for run in "memcheck map" "racecheck map" "memcheck copy" "synccheck map" "initcheck map"; do
       set -- $run
       left=$(time_left 10)
       [ $left -gt 30 ] || { echo "no time left for $run"; break; }
