@@ -33,8 +33,8 @@ never read by this launch: flat rows ``>= length`` come from the inputs, and a
 ring has ``slots >= window + T - 1``, so the slots it overwrites held positions
 no query of this step can see. Each program keeps an online softmax in fp32
 (base 2) and leaves its partial output, max and sum. The kernel is compiled
-twice: 16-row blocks for narrow steps (up to 64 folded rows: decode), 128-row
-blocks for wide ones (prefill chunks: each key block read once per 128 rows).
+twice: 16-row blocks for narrow steps (up to 64 folded rows: decode), 64-row
+blocks for wide ones (prefill chunks: each key block read once per 64 rows).
 Both are launched every step and the idle one has a grid of zero programs,
 which the launcher skips: the width is a symbolic shape, so the choice is made
 on the device side of the launch, not at export.
@@ -42,7 +42,9 @@ on the device side of the launch, not at export.
 Launch 2, ``_combine``, grid ``(T * G, H_kv)``, merges one row's partials
 from every split in one tile (a single round of loads) and writes the
 output, ``[1, T, H_q, D_v]`` memory seen as ``[1, H_q, T, D_v]`` (the layout
-the output projection reads without a copy).
+the output projection reads without a copy). Where the keys were not split (one split: wide steps,
+mostly), launch 1 normalises and writes the output itself and this launch
+has a grid of zero programs.
 
 Splits: ``max(1, 2 * SMs // (H_kv * row_blocks))``, so one batch-1 decode step
 launches about two programs per multiprocessor; a split's share of the keys is
@@ -72,9 +74,9 @@ PROGRAMS_PER_SM = 2
 NUM_WARPS = 4
 NUM_STAGES = 3
 WIDE_ROWS = 64  # steps with more folded query rows than this take the wide variant
-WIDE_BLOCK_M = 128
+WIDE_BLOCK_M = 64  # the H200 sweep's best for 512-token chunks (cuda_kernels_h200.md)
 WIDE_BLOCK_N = 64
-WIDE_NUM_WARPS = 8
+WIDE_NUM_WARPS = 4
 _DEFAULT_SMS = 132  # an H200's count, for tracing off the GPU (the interpreter tests)
 
 # At export, "torch" keeps CUDA 16-bit programs on torch's attention ops (the
@@ -141,7 +143,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _update_attend_partial(
-        Q, KN, VN, KS, VS, LEN, ACC, MAX, SUM,
+        Q, KN, VN, KS, VS, LEN, ACC, MAX, SUM, OUT, so_t, so_h,
         sq_h, sq_t, sq_d, skn_h, skn_t, skn_d, svn_h, svn_t, svn_d,
         sks_r, sks_h, svs_r, svs_h,
         T, slots, window, n_splits, scale_log2,
@@ -161,11 +163,13 @@ if HAVE_TRITON:
         dv_ok = dv < DV
         nb = tl.arange(0, BLOCK_N)
 
-        # The step's write: one program per KV head, the step's T rows into storage.
-        if (split == 0) & (mb == 0):
-            for j0 in range(0, T, BLOCK_N):
+        # The step's write: split 0 of each row block writes the tokens whose first
+        # folded row it holds (every token once, spread over the row blocks).
+        if split == 0:
+            j_end = tl.minimum((mb * BLOCK_M + BLOCK_M + G - 1) // G, T)
+            for j0 in range((mb * BLOCK_M + G - 1) // G, j_end, BLOCK_N):
                 j = j0 + nb
-                j_ok = j < T
+                j_ok = j < j_end
                 pos = length + j
                 if RING:
                     dest = pos % slots
@@ -234,10 +238,17 @@ if HAVE_TRITON:
             m_i, l_i, acc = _attend_block(q, k, v, kp, k_ok, qpos, m_i, l_i, acc, scale_log2, window,
                                           RING=RING, CAUSAL=True, DOT_F32=DOT_F32)
 
-        part = (split * n_kv + h) * n_rows + rows
-        tl.store(MAX + part, m_i, mask=row_ok)
-        tl.store(SUM + part, l_i, mask=row_ok)
-        tl.store(ACC + part[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
+        if n_splits == 1:
+            # The whole key range in this program: normalise and write the output
+            # (the combine launch has a grid of zero programs then).
+            out = acc / l_i[:, None]
+            tl.store(OUT + tok[:, None] * so_t + qh[:, None] * so_h + dv[None, :], out.to(OUT.dtype.element_ty),
+                     mask=row_ok[:, None] & dv_ok[None, :])
+        else:
+            part = (split * n_kv + h) * n_rows + rows
+            tl.store(MAX + part, m_i, mask=row_ok)
+            tl.store(SUM + part, l_i, mask=row_ok)
+            tl.store(ACC + part[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
 
     @triton.jit
     def _combine(
@@ -289,9 +300,9 @@ if HAVE_TRITON:
         # and the idle one gets a grid of zero programs, which AOTInductor's
         # launcher skips (no kernel runs). Narrow steps (decode) fold up to 64
         # query rows into 16-row blocks and spread the keys over splits; wide
-        # steps (prefill chunks) take 128-row blocks, so each key block is read
-        # once per 128 rows and the dot products are large enough for the
-        # tensor cores' widest instructions.
+        # steps (prefill chunks) take 64-row blocks, so each key block is read
+        # once per 64 rows and the dot products are large enough for the
+        # tensor cores' warp-group instructions.
         wide = torch.sym_min(1, (n_rows - 1) // WIDE_ROWS)
         programs = PROGRAMS_PER_SM * _multiprocessors(q.device)
         narrow_blocks = (n_rows + BLOCK_M - 1) // BLOCK_M
@@ -303,7 +314,7 @@ if HAVE_TRITON:
         mx = torch.empty((splits, hkv, n_rows), device=q.device, dtype=torch.float32)
         sm = torch.empty((splits, hkv, n_rows), device=q.device, dtype=torch.float32)
         out = torch.empty((1, t, hq, dv), device=q.device, dtype=out_dtype)
-        args = (q, k, v, k_store, v_store, length, acc, mx, sm,
+        args = (q, k, v, k_store, v_store, length, acc, mx, sm, out, out.stride(1), out.stride(2),
                 q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), k.stride(3),
                 v.stride(1), v.stride(2), v.stride(3),
                 k_store.stride(1), k_store.stride(2), v_store.stride(1), v_store.stride(2),
@@ -315,7 +326,8 @@ if HAVE_TRITON:
             *args, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, **shape)
         wrap_triton(_update_attend_partial)[(wide_splits, hkv, wide_blocks)](
             *args, BLOCK_M=WIDE_BLOCK_M, BLOCK_N=WIDE_BLOCK_N, num_warps=WIDE_NUM_WARPS, **shape)
-        wrap_triton(_combine)[(n_rows, hkv)](
+        # Partials to merge only where the keys were split.
+        wrap_triton(_combine)[(n_rows * torch.sym_min(1, splits - 1), hkv)](
             acc, mx, sm, out, out.stride(1), out.stride(2), t, splits,
             G=g, DV=dv, BDV=_next_pow2(dv), BLOCK_S=_next_pow2(max(1, programs // hkv)), num_warps=4,
         )

@@ -92,7 +92,7 @@ def test_long_decode_spreads_over_splits_and_matches_reference(dtype):
 @GROUPS
 @pytest.mark.parametrize("length,t", [(0, 70), (37, 70), (130, 17)], ids=["prompt", "chunk-after-70", "gqa-wide"])
 def test_wide_flat_step_takes_the_wide_variant_and_attends_lower_right_causal(length, t, hq, hkv, dtype):
-    # More than 64 folded query rows (t x the group) run the 128-row variant;
+    # More than 64 folded query rows (t x the group) run the wide (64-row block) variant;
     # (130, 17) is wide only with a group of 4 (68 rows), narrow with 1.
     q, k, v, ks, vs = _step(hq, hkv, 64, t, length + t + 3, dtype, seed=length + t)
     _check(q, k, v, ks, vs, length, window=0)
@@ -104,4 +104,19 @@ def test_wide_ring_step_writes_each_position_mod_slots_and_attends_its_band(leng
     window, max_write, t = 32, 70, 70
     slots = window + max_write - 1
     q, k, v, ks, vs = _step(8, 2, 64, t, slots, dtype, seed=length)
+    _check(q, k, v, ks, vs, length, window)
+
+
+@pytest.mark.parametrize("window", [0, 32], ids=["flat", "ring"])
+@pytest.mark.parametrize("t", [1, 5, 70], ids=["decode", "narrow", "wide"])
+def test_one_split_writes_the_output_itself_without_the_combine(t, window, monkeypatch):
+    # With no programs to spare for splitting (a GPU busy with many heads, or
+    # long wide steps) the partial kernel normalises and writes the output, and
+    # the combine launch has no programs.
+    from offgraph_kv.backend import triton_attention as ta
+
+    monkeypatch.setattr(ta, "PROGRAMS_PER_SM", 0)
+    length = 150
+    rows = window + 70 - 1 if window else length + t
+    q, k, v, ks, vs = _step(8, 2, 64, t, rows, torch.bfloat16, seed=t + window)
     _check(q, k, v, ks, vs, length, window)

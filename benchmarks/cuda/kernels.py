@@ -153,7 +153,7 @@ def tuning_sweep(memcpy_Bps: float, contexts: List[int]) -> List[Dict[str, objec
             for bn in (64, 128):
                 for warps in (4, 8):
                     for pps in (2, 4):
-                        for stages in (3,):
+                        for stages in (2, 3, 4):
                             ta.BLOCK_N, ta.NUM_WARPS, ta.PROGRAMS_PER_SM, ta.NUM_STAGES = bn, warps, pps, stages
                             t = graph_time(lambda: ta.update_attend(q, k, v, ks, vs, length, 0, d ** -0.5, bf))
                             rows.append({"context": ctx, "block_n": bn, "warps": warps, "programs_per_sm": pps,
@@ -336,7 +336,7 @@ def main(argv: "list[str] | None" = None) -> int:
                                                shape["vocab_size"], a.layers)
         save()
     if a.sweep:  # last: the least needed part of a run that may be cut short
-        result["sweep"] = tuning_sweep(memcpy_Bps, [32768, 131072])
+        result["sweep"] = tuning_sweep(memcpy_Bps, [8192, 32768, 131072])
         save()
     if a.prefill_sweep:
         result["prefill_sweep"] = prefill_sweep([0, 4096])

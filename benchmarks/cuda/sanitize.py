@@ -56,7 +56,7 @@ def generate(path: str, graphs: bool, growth: str) -> Dict[str, int]:
     store = rt.latest_store()
     gen = torch.Generator().manual_seed(0)
     length, decode = 0, 0
-    for w in (32, 8, 8, 8):  # a wide prompt chunk (128 query rows: the wide kernel), then chunks across wraps
+    for w in (32, 8, 8, 8):  # a wide prompt chunk (128 folded query rows: the wide kernel), then chunks across wraps
         tok = torch.randint(0, 200, (1, w), generator=gen)
         logits = method.execute([tok, torch.arange(length, length + w).unsqueeze(-1)])[0]
         length += w

@@ -12,7 +12,7 @@
 #                                               # reuses /tmp/long/long_run.pte: `long_run --build-only` in an earlier run)
 #   bash benchmarks/device/gpu_run.sh sessions  # sessions, rewind, saved contexts and map growth on CUDA, + builds the long-run program
 #   bash benchmarks/device/gpu_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
-#   bash benchmarks/device/gpu_run.sh kernels-alone  # the kernels vs torch without the 16-layer programs, + the prefill sweep
+#   bash benchmarks/device/gpu_run.sh kernels-alone  # the kernels vs torch without the 16-layer programs (SWEEP=1: + variant sweeps)
 #   bash benchmarks/device/gpu_run.sh sanitize  # compute-sanitizer memcheck / racecheck / synccheck over our kernels with graphs (~5 min)
 #   bash benchmarks/device/gpu_run.sh graphs    # CUDA-graph decode: its CUDA tests + graphs on/off vs the gpt-fast recipe (~8 min)
 #   bash benchmarks/device/gpu_run.sh 8b-build  # exports the Llama-3-8B-shaped program to /tmp/w8b (~8 min)
@@ -101,7 +101,7 @@ case "${1:-tests}" in
      timeout 240 python3 -m pytest -q -p no:cacheprovider -n 2 tests/test_cuda.py -k "kernels_mixed" \
        --junitxml="$OUT/cuda_kernels_tests_${TAG}.junit.xml" >> "$OUT/pytest_kernels.txt" 2>&1) &
     export AOTI_RUNTIME_CHECK_INPUTS=0
-    timeout $(time_left 30) python3 -m benchmarks.cuda.kernels --skip-decode --prefill-sweep \
+    timeout $(time_left 30) python3 -m benchmarks.cuda.kernels --skip-decode ${SWEEP:+--sweep --prefill-sweep} \
       --out "$OUT/cuda_kernels_${TAG}.json" > "$OUT/kernels.txt" 2>&1
     grep -E "ctx|window|^\{|Error" "$OUT/kernels.txt" | cut -c1-300
     wait
@@ -131,15 +131,16 @@ case "${1:-tests}" in
     wait
     ;;
   graphs)
-    (timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_decode_graphs.py \
-       -k "graph or rejected or sessions or kernels_mixed" --basetemp=/tmp/pt -rs \
-       --junitxml="$OUT/cuda_graphs_tests_${TAG}.junit.xml" > "$OUT/pytest_graphs.txt" 2>&1
-     grep -E "passed|failed|Error" "$OUT/pytest_graphs.txt" | tail -8) &
+    # The benchmark alone on the machine (tests beside it took CPU and GPU time from its steps), then the tests.
     export AOTI_RUNTIME_CHECK_INPUTS=0
-    timeout $(time_left 30) python3 -m benchmarks.cuda.graphs --layers ${2:-16} --out "$OUT/cuda_graphs_${TAG}.json" \
+    timeout $(time_left 200) python3 -m benchmarks.cuda.graphs --layers ${2:-16} --out "$OUT/cuda_graphs_${TAG}.json" \
       > "$OUT/graphs.txt" 2>&1
     grep -E "PASS|FAIL|info|Error|error|offgraph-kv graphs|gpt-fast C" "$OUT/graphs.txt" | cut -c1-300
-    wait
+    export AOTI_RUNTIME_CHECK_INPUTS=1
+    timeout $(time_left 10) python3 -m pytest -q -p no:cacheprovider -n 3 tests/test_cuda.py tests/test_decode_graphs.py \
+       -k "graph or rejected or sessions" --basetemp=/tmp/pt -rs \
+       --junitxml="$OUT/cuda_graphs_tests_${TAG}.junit.xml" > "$OUT/pytest_graphs.txt" 2>&1
+    grep -E "passed|failed|Error" "$OUT/pytest_graphs.txt" | tail -8
     ;;
   8b-build|8b)
     export AOTI_RUNTIME_CHECK_INPUTS=0
