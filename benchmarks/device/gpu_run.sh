@@ -14,7 +14,8 @@
 #   bash benchmarks/device/gpu_run.sh kernels   # our Triton kernels: GPU kernel tests, their oracle tests, kernels vs torch (~5 min)
 #   bash benchmarks/device/gpu_run.sh kernels-alone  # the kernels vs torch without the 16-layer programs (SWEEP=1: + variant sweeps)
 #   bash benchmarks/device/gpu_run.sh sanitize  # compute-sanitizer memcheck / racecheck / synccheck over our kernels with graphs (~5 min)
-#   bash benchmarks/device/gpu_run.sh graphs    # CUDA-graph decode: its CUDA tests + graphs on/off vs the gpt-fast recipe (~8 min)
+#   bash benchmarks/device/gpu_run.sh graphs    # CUDA-graph decode: graphs on/off vs the gpt-fast recipe, then its CUDA tests (~8 min;
+#                                               # GRAPHS_ARGS=--skip-max leaves out the recipe at max capacity)
 #   bash benchmarks/device/gpu_run.sh 8b-build  # exports the Llama-3-8B-shaped program to /tmp/w8b (~8 min)
 #   bash benchmarks/device/gpu_run.sh 8b        # ... then load it cold and time decode at 1K / 8K / 32K (~2 min)
 # A second argument, where a mode takes one, is its layer count (long: its token count).
@@ -133,7 +134,7 @@ case "${1:-tests}" in
   graphs)
     # The benchmark alone on the machine (tests beside it took CPU and GPU time from its steps), then the tests.
     export AOTI_RUNTIME_CHECK_INPUTS=0
-    timeout $(time_left 200) python3 -m benchmarks.cuda.graphs --layers ${2:-16} --out "$OUT/cuda_graphs_${TAG}.json" \
+    timeout $(time_left 150) python3 -m benchmarks.cuda.graphs --layers ${2:-16} $GRAPHS_ARGS --out "$OUT/cuda_graphs_${TAG}.json" \
       > "$OUT/graphs.txt" 2>&1
     grep -E "PASS|FAIL|info|Error|error|offgraph-kv graphs|gpt-fast C" "$OUT/graphs.txt" | cut -c1-300
     export AOTI_RUNTIME_CHECK_INPUTS=1
