@@ -11,6 +11,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch.export import ExportedProgram
 
+from offgraph_kv.backend.switches import switch
 from offgraph_kv.backend.weights import CollectedWeight, load_collected
 
 
@@ -150,10 +151,7 @@ DEFAULT_CPU_LINEAR = "aten"
 
 def cpu_linear_kernel() -> str:
     """The CPU linear kernel of this export: ``$OFFGRAPH_KV_CPU_LINEAR`` or the default."""
-    kind = os.environ.get(CPU_LINEAR_ENV, DEFAULT_CPU_LINEAR) or DEFAULT_CPU_LINEAR
-    if kind not in CPU_LINEAR_KERNELS:
-        raise ValueError(f"{CPU_LINEAR_ENV}={kind!r}: expected one of {', '.join(CPU_LINEAR_KERNELS)}")
-    return kind
+    return switch(CPU_LINEAR_ENV, CPU_LINEAR_KERNELS, DEFAULT_CPU_LINEAR)
 
 
 def cpu_linear_options(kind: "str | None" = None) -> dict:

@@ -29,10 +29,11 @@ H200. Ring layers keep an explicit band mask: their window is small.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
+
+from offgraph_kv.backend.switches import switch
 
 
 def attention_dtype(storage: torch.dtype, device: torch.device) -> torch.dtype:
@@ -227,10 +228,7 @@ CPU_ENV_SWITCH = "OFFGRAPH_KV_CPU_ATTENTION"
 
 
 def _cpu_reads_16bit() -> bool:
-    choice = os.environ.get(CPU_ENV_SWITCH, "")
-    if choice not in ("", "direct", "convert"):
-        raise ValueError(f"{CPU_ENV_SWITCH} must be 'direct' (the default) or 'convert', got {choice!r}")
-    return choice != "convert"
+    return switch(CPU_ENV_SWITCH, ("direct", "convert"), "direct") == "direct"
 
 
 def attend_flat(

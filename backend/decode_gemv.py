@@ -14,27 +14,27 @@ constant the ``.pte`` stores.
 A linear here is ``linear(x, W[, b])`` (the partitioner keeps ``nn.Linear``
 whole), ``mm(x, permute(W, [1, 0]))`` or ``addmm(b, x, permute(W, [1, 0]))``,
 with ``W`` a constant of the program; a product of two activations, a weight
-computed in the graph (a dequantised int4 weight) or a static width is left
-alone.
+computed in the graph (a dequantised int4 weight) or a static width of more
+than one row is left alone; a linear that always takes one row (the output
+projection of a model that returns the last token's logits) is a reduction
+outright.
 ``OFFGRAPH_KV_CPU_GEMV=mm`` (read at export) keeps every linear on ATen's GEMM.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import fx
+
+from offgraph_kv.backend.switches import switch
 
 ENV_SWITCH = "OFFGRAPH_KV_CPU_GEMV"
 
 
 def reduction_applies() -> bool:
     """Whether CPU exports rewrite their linears (``OFFGRAPH_KV_CPU_GEMV``: "reduce", the default, or "mm")."""
-    choice = os.environ.get(ENV_SWITCH, "reduce")
-    if choice not in ("reduce", "mm"):
-        raise ValueError(f"{ENV_SWITCH} must be 'reduce' (the default) or 'mm', got {choice!r}")
-    return choice == "reduce"
+    return switch(ENV_SWITCH, ("reduce", "mm"), "reduce") == "reduce"
 
 
 def _one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -77,11 +77,19 @@ def _transposed_constant(node: object) -> "fx.Node | None":
     return src if isinstance(src, fx.Node) and src.op == "get_attr" else None
 
 
-def _width_dependent(x: object) -> bool:
-    """An activation whose row count (all but the last dim) is the step's, i.e. symbolic."""
+def _step_rows(x: object) -> bool:
+    """An activation whose row count (all but the last dim) is the step's (symbolic),
+    or one row always (a model that projects only the last token to logits)."""
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dim() >= 2 and any(
-        isinstance(d, torch.SymInt) for d in val.shape[:-1])
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return False
+    lead = val.shape[:-1]
+    if any(isinstance(d, torch.SymInt) for d in lead):
+        return True
+    rows = 1
+    for d in lead:
+        rows *= int(d)
+    return rows == 1
 
 
 def _constant(node: object) -> "fx.Node | None":
@@ -108,7 +116,7 @@ def use_reductions_for_one_row(program: fx.GraphModule) -> int:
             args = (bias, x, w)
         else:
             continue
-        if w is None or not _width_dependent(x):
+        if w is None or not _step_rows(x):
             continue
         with program.graph.inserting_before(node):
             fn = _addmm_by_width if node.target is torch.ops.aten.addmm.default else linear_by_width

@@ -59,6 +59,8 @@ import os
 
 import torch
 
+from offgraph_kv.backend.switches import switch
+
 try:
     import triton
     import triton.language as tl
@@ -91,9 +93,7 @@ def kernels_apply(device: str, storage_dtype: torch.dtype) -> bool:
     CUDA with 16-bit storage, where Triton is installed, unless
     ``OFFGRAPH_KV_CUDA_ATTENTION=torch``: every other program keeps the torch path.
     """
-    choice = os.environ.get(ENV_SWITCH, "triton")
-    if choice not in ("triton", "torch"):
-        raise ValueError(f"{ENV_SWITCH} must be 'triton' (the default) or 'torch', got {choice!r}")
+    choice = switch(ENV_SWITCH, ("triton", "torch"), "triton")
     return HAVE_TRITON and device == "cuda" and storage_dtype in (torch.bfloat16, torch.float16) and choice == "triton"
 
 

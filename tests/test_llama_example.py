@@ -384,6 +384,25 @@ def _eager_greedy(model: Transformer, prompt: List[int], n: int) -> List[int]:
             pos += 1
 
 
+def test_exported_program_returns_only_the_last_tokens_logits_by_default(toy_pte: Path) -> None:
+    # export.py's default (ExecuTorch's export_llama does the same): a step
+    # returns the last token's logits, [1, 1, vocab], equal to that row of the
+    # eager model's full logits; its output projection is a one-row reduction.
+    import offgraph_kv.runtime
+
+    assert json.loads(export.sidecar_path(toy_pte).read_text())["model_args"]["full_logits"] is False
+    method = offgraph_kv.runtime.load_method(toy_pte)
+    model = _toy_model()
+    prompt = torch.tensor([tokenizer.ByteTokenizer().encode("last logits")])
+    t = prompt.shape[1]
+    with reference_cache(model.args), torch.no_grad():
+        for tokens, start in ((prompt, 0), (torch.tensor([[7]]), t), (torch.tensor([[9, 11, 13]]), t + 1)):
+            got = method.execute([tokens, positions(start, tokens.shape[1])])[0]
+            want = model(tokens, positions(start, tokens.shape[1]))
+            assert got.shape == (1, 1, tokenizer.BYTE_VOCAB_SIZE) and want.shape[1] == tokens.shape[1]
+            torch.testing.assert_close(got, want[:, -1:], rtol=1e-4, atol=1e-4)
+
+
 def test_run_generates_the_eager_greedy_tokens_across_growths(toy_pte: Path, tmp_path: Path) -> None:
     report = tmp_path / "run.json"
     rc = run.main([str(toy_pte), "--prompt", PROMPT, "--max-new-tokens", "24", "--ignore-stop",

@@ -80,6 +80,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     low.add_argument("--initial-capacity", type=int, default=256, help="KV rows allocated at load")
     low.add_argument("--growth-factor", type=float, default=2.0)
     low.add_argument("--max-write", type=int, default=64, help="most tokens one step may write (prefill chunk size)")
+    low.add_argument("--full-logits", action="store_true",
+                     help="return every token's logits [1, T, vocab] (default: the last token's, [1, 1, vocab])")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     a = p.parse_args(argv)
     sources = [flag for flag, given in (("--checkpoint", a.checkpoint), ("--hf-dir", a.hf_dir),
@@ -254,6 +256,7 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
         tok_info = tokenizer_info(a, ck)
         quantized = quantize_model(ck.model, a.quantize, a.group_size)
     model, args = ck.model, ck.args
+    args.full_logits = model.args.full_logits = a.full_logits
     if a.max_write < 1:
         raise ValueError(f"--max-write must be >= 1, got {a.max_write}")
     example = example_inputs(min(4, a.max_write))

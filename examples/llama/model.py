@@ -41,6 +41,11 @@ class ModelArgs:
     # Set when heads are not dim / n_heads wide (e.g. a narrow residual stream
     # with Llama-3-8B-sized attention, as the CUDA benchmark uses).
     attention_head_dim: Optional[int] = None
+    # False: logits of each step's last token only, [1, 1, vocab] (what
+    # generation reads; ExecuTorch's export_llama default): a prefill chunk
+    # then runs the output projection, the largest matrix of a small model, on
+    # one row instead of every row, and hands back vocab floats, not T x vocab.
+    full_logits: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -162,7 +167,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """``forward(tokens [1, T] int64, input_pos [T, 1] int64) -> logits [1, T, vocab] fp32``."""
+    """``forward(tokens [1, T] int64, input_pos [T, 1] int64) -> logits [1, T, vocab] fp32``
+    (``[1, 1, vocab]``, the last token's, when ``args.full_logits`` is False)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -191,6 +197,8 @@ class Transformer(nn.Module):
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos)
+        if not self.args.full_logits:
+            x = x[:, -1:]
         return self.output(self.norm(x)).float()
 
 

@@ -144,6 +144,8 @@ def build_eager_reference(sidecar: Dict[str, object]) -> Transformer:
         from checkpoint import load_from_source
 
         model = load_from_source(source, dtype).model
+    # The program returns every token's logits or the last one's, as its model did.
+    model.args.full_logits = bool(sidecar["model_args"].get("full_logits", True))
     q = sidecar.get("quantize")
     if q:  # the same torchao quantization the export applied
         from quantize import DEFAULT_GROUP_SIZE, quantize_model
