@@ -17,16 +17,19 @@ AOTInductor compiles: on CPU, unless ``OFFGRAPH_KV_CPU_GEMV=mm``, with a branch
 on the step's rows (``torch.cond``, as ``decode_gemv`` does for float
 linears): one row -> one fused inductor reduction over the stored integers
 (the weight bytes read once, dequantised in registers, fp32 accumulation),
-wider -> what a GEMM needs (int8 in bf16: ATen's int8 GEMM; otherwise the
-weight dequantised to the activations' dtype, then ``mm``). Elsewhere the
-wider form serves every width.
+wider -> what a GEMM needs (int8 in bf16: ATen's int8 GEMM; int8 in fp32:
+the weight dequantised, then ``mm``, torchao's own form; int4: each nibble
+half dequantised, then two ``mm``). Elsewhere the wider form serves every
+width.
 
-Why the reductions are shaped as they are (inductor's C++ backend, measured by
-``benchmarks/cpu/quant_gemv.py``): the inner dim of each reduction is the
-contiguous one, so the loads of weights and activations vectorise; int4 nibbles are split after a widening to int32 (uint8 and
-int16 vector shifts fall back to scalar code here) and the unsigned offset 8
-(plus the zero point) is taken out of the inner loop as ``scale * sum(x)``
-per group.
+Why the reductions are shaped as they are (inductor's C++ backend; kernels
+measured by ``benchmarks/cpu/quant_gemv.py``): the inner dim of each reduction
+is the contiguous one, so the weight and activation loads vectorise; ``x``
+is converted to an fp32 buffer of its own first (``_fp32_rows``); int4 nibbles
+are split after a widening to int32 and the unsigned offset 8 (plus the zero
+point) is taken out of the inner loop as ``scale * offset * sum(x)`` per group
+(1536 x 576: 65.7 us with uint8 ops and the offset per weight, 53.7 us so;
+int16 ops fell back to scalar code, 472 us).
 """
 
 from __future__ import annotations
