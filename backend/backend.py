@@ -13,7 +13,7 @@ from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.extension.llm.cache.reference_cache import LayerKind
 from torch.export import Dim, ExportedProgram
 
-from offgraph_kv.backend import decode_gemv, triton_attention
+from offgraph_kv.backend import decode_gemv, quantized_linear, triton_attention
 from offgraph_kv.backend.aoti_compile import compile_shared_object, target_of
 from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError, find_sites
 from offgraph_kv.backend.compile_specs import BackendSpecs, StepWidth
@@ -225,7 +225,10 @@ class OffGraphKVBackend(BackendDetails):
         examples, dyn = _examples_and_dims(edge_program, inputs, sites[0].width)
         examples = [e.to(device) for e in examples]
         program = edge_to_aten(edge_program.module())
-        if device == "cpu" and decode_gemv.reduction_applies():
+        reduce = device == "cpu" and decode_gemv.reduction_applies()
+        # Quantized-linear ops never reach AOTInductor as calls (it would need them registered at run time).
+        quantized_linear.lower_quantized_linears(program, reduce=reduce)
+        if reduce:
             decode_gemv.use_reductions_for_one_row(program)
         bind_private_tensors(program)
         windows = [p.window if p.kind is LayerKind.RING else 0 for p in specs.layers]

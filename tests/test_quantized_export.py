@@ -27,6 +27,8 @@ import export  # noqa: E402
 import run  # noqa: E402
 from model import ModelArgs, Transformer, init_deterministic  # noqa: E402
 from quantize import quantize_model, weight_bytes  # noqa: E402
+
+from offgraph_kv.backend import quantized_linear as ql
 from tokenizer import BYTE_VOCAB_SIZE  # noqa: E402
 
 SHAPE = ["--tiny", "--dim", "96", "--n-layers", "2", "--n-heads", "6", "--n-kv-heads", "2", "--sliding-windows", "0,12"]
@@ -39,8 +41,10 @@ def _unquantized_bytes() -> int:
     return weight_bytes(init_deterministic(Transformer(args), seed=0))
 
 
-# int8 in a bf16 model (the int8 GEMM), int4 in an fp32 one (torchao's dequantize and matmul).
-@pytest.fixture(scope="module", params=[("int8", "bf16"), ("int4", "fp32")], ids=["int8-bf16", "int4-fp32"])
+# int8 in a bf16 model (wider steps: the int8 GEMM) and in an fp32 one (dequantize + mm), int4 packed in an
+# fp32 one; one-row steps of all three are the backend's reductions over the stored integers.
+@pytest.fixture(scope="module", params=[("int8", "bf16"), ("int8", "fp32"), ("int4", "fp32")],
+                ids=["int8-bf16", "int8-fp32", "int4-fp32"])
 def quantized_pte(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     scheme, dtype = request.param
     out = tmp_path_factory.mktemp(f"quantized_{scheme}") / "q.pte"
@@ -79,8 +83,8 @@ def test_quantized_weights_are_stored_as_integers_outside_the_code(quantized_pte
     assert side["quantize"]["linears"] == 2 * 7 + 1  # q k v o, three FFN, per layer; the output projection
     assert side["quantize"]["group_size"] == (32 if scheme == "int4" else None)
     scan = side["pte_scan"]
-    # int8 bytes plus fp32 scales for every linear; the byte embedding and norms stay fp32.
-    assert scan["weight_bytes"] < 0.45 * _unquantized_bytes()
+    # int8 bytes (int4: two values a byte) plus scales for every linear; the byte embedding and norms stay.
+    assert scan["weight_bytes"] < (0.3 if scheme == "int4" else 0.45) * _unquantized_bytes()
     assert 0.9 * side["weight_bytes"] < scan["weight_bytes"] <= side["weight_bytes"]
     assert scan["named_data_bytes"] == scan["code_bytes"] + scan["weight_bytes"]
     assert side["kv_bytes_in_file"] == 0
@@ -118,3 +122,79 @@ def test_quantize_names_an_unknown_scheme_and_a_group_size_that_does_not_divide(
     assert rc == 2
     assert "group size 40 does not divide" in capsys.readouterr().err
     assert not (tmp_path / "x.pte").exists()
+
+
+def _model(dtype: torch.dtype) -> Transformer:
+    args = ModelArgs(dim=96, n_layers=1, n_heads=6, n_kv_heads=2, vocab_size=64, multiple_of=32)
+    return init_deterministic(Transformer(args), seed=4).eval().to(dtype)
+
+
+def test_int4_weights_are_packed_two_per_byte_and_hold_torchaos_values() -> None:
+    ours, theirs = _model(torch.float32), _model(torch.float32)
+    quantize_model(ours, "int4", 32)
+    quantize_model(theirs, "int4", 32, torchao_only=True)  # torchao's own tensors: the reference
+    for name in ("attention.wq", "attention.wk", "feed_forward.w2"):
+        a, b = ours.layers[0].get_submodule(name), theirs.layers[0].get_submodule(name)
+        assert type(a).__name__ == "Int4GroupLinear" and a.packed.dtype == torch.uint8
+        assert a.packed.numel() * 2 == b.weight.qdata.numel()  # half the bytes of torchao's one value a byte
+        assert torch.equal(ql.unpack_int4(a.packed), b.weight.qdata)
+        torch.testing.assert_close(ql.int4_weight(a.packed, a.scale, a.zero, torch.float32), b.weight.dequantize(),
+                                   atol=0, rtol=0)
+        x = torch.randn(2, 3, a.in_features, generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(a(x), b(x), atol=1e-5, rtol=1e-5)
+    assert weight_bytes(ours) < 0.7 * weight_bytes(theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("zero", [False, True], ids=["symmetric", "zero-point"])
+def test_one_row_reductions_give_the_dequantized_products(dtype: torch.dtype, zero: bool) -> None:
+    g = torch.Generator().manual_seed(2)
+    n, k, group = 48, 96, 32
+    x = torch.randn(1, k, generator=g).to(dtype)
+    q4 = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g)
+    s4 = (torch.rand(n, k // group, generator=g) + 0.5).to(dtype)
+    z4 = torch.randint(-3, 4, (n, k // group), dtype=torch.int8, generator=g) if zero else None
+    packed = ql.pack_int4(q4, group)
+    w4 = (q4.float().reshape(n, -1, group) - (0 if z4 is None else z4.float().unsqueeze(-1))) * s4.float().unsqueeze(-1)
+    want4 = x.float() @ w4.reshape(n, k).t()
+    q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    s8 = (torch.rand(n, generator=g) / 64).to(dtype)
+    want8 = x.float() @ (q8.float() * s8.float()[:, None]).t()
+    # fp32 accumulation either way; bf16 rounds the result once.
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for got, want in ((ql.int4_one_row(x, packed, s4, z4), want4), (ql.int8_one_row(x, q8, s8), want8)):
+        assert got.dtype == dtype and got.shape == (1, n)
+        torch.testing.assert_close(got.float(), want, atol=tol * float(want.abs().max()), rtol=0)
+    # The wider forms (dequantize + mm; int8 GEMM in bf16) agree with them on the same row.
+    torch.testing.assert_close(ql.int4_many_rows(x, packed, s4, z4).float(), want4,
+                               atol=2 * tol * float(want4.abs().max()), rtol=0)
+
+
+class _TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.register_buffer("q", torch.randint(-128, 128, (64, 96), dtype=torch.int8, generator=g))
+        self.register_buffer("s", torch.rand(64, generator=g) / 64)
+        self.register_buffer("p", ql.pack_int4(torch.randint(-8, 8, (32, 96), dtype=torch.int8, generator=g), 32))
+        self.register_buffer("t", torch.rand(32, 3, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.offgraph_kv.int8_linear(x, self.q, self.s)
+        return torch.ops.offgraph_kv.int4_linear(torch.cat([y, y[..., :32]], -1), self.p, self.t, None)
+
+
+@pytest.mark.parametrize("reduce", [True, False], ids=["reduce", "mm"])
+def test_quantized_ops_are_lowered_to_a_branch_on_the_rows_or_to_the_wide_form_alone(reduce: bool) -> None:
+    model, width = _TwoLinears(), torch.export.Dim("t", max=64)
+    ep = torch.export.export(model, (torch.randn(3, 96),), dynamic_shapes=({0: width},))
+    program = ep.module()
+    assert ql.lower_quantized_linears(program, reduce=reduce) == 2
+    targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert not any("offgraph_kv" in str(t) for t in targets)  # nothing left for AOTInductor to call
+    lowered = torch.export.export(program, (torch.randn(3, 96),), dynamic_shapes=({0: width},), strict=False)
+    conds = [n for n in lowered.graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(conds) == (2 if reduce else 0)  # OFFGRAPH_KV_CPU_GEMV=mm: no reductions
+    for rows in (1, 5):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(lowered.module()(x), model(x), atol=1e-4, rtol=1e-4)

@@ -1,21 +1,24 @@
 """Weight-only quantization of the example model through torchao, before export.
 
 Both schemes keep activations in the model's dtype and quantize every
-``nn.Linear`` weight (the token embedding stays as it is); AOTInductor compiles
-the dequantize-and-multiply, and the quantized weights are what the .pte
-carries outside the code (int8 bytes plus scales):
+``nn.Linear`` weight (the token embedding stays as it is) with torchao, then
+hand each quantized linear to the backend's quantized-linear ops
+(``offgraph_kv/backend/quantized_linear.py``), whose integers are what the .pte
+carries outside the code:
 
-- ``int8``: one scale per output row (torchao ``Int8WeightOnlyConfig``); in a
-  bf16 model each quantized linear is then run by ATen's int8 GEMM
-  (``Int8RowLinear``): one thread, SmolLM2's 576 x 1536 projection, 0.025 ms
-  against bf16's 0.062 ms for one token, but 3x bf16's time for 64 (and with
-  fp32 activations that kernel is scalar, 12x slower than fp32's matmul, so
-  fp32 models keep torchao's dequantize-and-multiply);
-- ``int4``: values in [-8, 7] with one scale per ``group_size`` inputs
-  (torchao ``IntxWeightOnlyConfig(weight_dtype=torch.int4, PerGroup)``, the
-  layout torchao exports for CPU). Each value is stored in a byte, so int4
-  saves no memory over int8 yet; it trades accuracy for the same footprint
-  until a packed CPU kernel exists in AOTInductor's reach.
+- ``int8``: one scale per output row (torchao ``Int8WeightOnlyConfig``), run
+  as ``offgraph_kv::int8_linear`` (``Int8RowLinear``): on CPU a one-row step is
+  an inductor reduction over the int8 bytes; wider steps use ATen's int8 GEMM
+  in a bf16 model and torchao's dequantize-and-multiply in an fp32 one (ATen's
+  int8 GEMM is scalar for fp32 activations, 12x slower than fp32's matmul);
+- ``int4``: values in [-8, 7] with one scale (and zero point, if torchao made
+  one) per ``group_size`` inputs (torchao ``IntxWeightOnlyConfig(weight_dtype=
+  torch.int4, PerGroup)``), stored two per byte and run as
+  ``offgraph_kv::int4_linear`` (``Int4GroupLinear``): a one-row step unpacks
+  and dequantizes inside one reduction; wider steps dequantize, then ``mm``.
+
+``quantize_model(..., torchao_only=True)`` stops after torchao: the eager
+reference the compiled program is checked against (``run.py --check``).
 
 A GGUF's own quantized blocks are dequantized first and then requantized here
 (the GGUF importer dequantizes every tensor type); the checkpoint's quantization
@@ -29,6 +32,8 @@ from typing import Dict, Optional
 
 import torch
 
+from offgraph_kv.backend.quantized_linear import pack_int4  # also registers the offgraph_kv:: ops
+
 SCHEMES = ("int8", "int4")
 # ATen ops outside the core opset that quantized models call (the exporter
 # admits them: ``EdgeCompileConfig(_core_aten_ops_exception_list=...)``).
@@ -36,9 +41,10 @@ EXTRA_ATEN_OPS = (torch.ops.aten._weight_int8pack_mm.default,)
 DEFAULT_GROUP_SIZE = 32
 
 
-def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: int = DEFAULT_GROUP_SIZE) -> \
-        Optional[Dict[str, object]]:
-    """Quantize ``model``'s linear weights in place; returns what the sidecar records (None: no scheme)."""
+def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: int = DEFAULT_GROUP_SIZE,
+                   torchao_only: bool = False) -> Optional[Dict[str, object]]:
+    """Quantize ``model``'s linear weights in place; returns what the sidecar records (None: no scheme).
+    ``torchao_only``: leave torchao's tensors (the reference) instead of the backend's ops."""
     if scheme is None:
         return None
     if scheme not in SCHEMES:
@@ -50,8 +56,8 @@ def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: in
     if not linears:
         raise ValueError("quantize: the model has no nn.Linear to quantize")
     if scheme == "int4":
-        if group_size < 1:
-            raise ValueError(f"quantize: group size must be >= 1, got {group_size}")
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"quantize int4: group size must be even (two values a byte), got {group_size}")
         bad = [f"{name} ({m.in_features} inputs)" for name, m in linears.items() if m.in_features % group_size]
         if bad:
             raise ValueError(f"quantize int4: group size {group_size} does not divide the inputs of "
@@ -60,46 +66,69 @@ def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: in
     else:
         config = Int8WeightOnlyConfig()
     quantize_(model, config)
-    if scheme == "int8":
-        _use_int8_gemm(model)
+    if not torchao_only:
+        _use_backend_ops(model, scheme, group_size)
     return {"scheme": scheme, "group_size": group_size if scheme == "int4" else None,
             "linears": len(linears), "torchao": importlib.metadata.version("torchao")}
 
 
 class Int8RowLinear(torch.nn.Module):
-    """A torchao int8 weight-only linear run by ATen's int8 GEMM
-    (``aten._weight_int8pack_mm``: int8 weights read as stored, one scale per
-    output row applied to the dot products), which AOTInductor calls through
-    its C shim. The generic lowering of torchao's tensor dequantized every
-    weight to floats on every step: SmolLM2 decoded at half fp32's speed."""
+    """A torchao int8 weight-only linear as ``offgraph_kv::int8_linear``: int8
+    weights read as stored, one scale per output row applied to the dot
+    products. The generic lowering of torchao's tensor dequantized every weight
+    to floats on every step: SmolLM2 decoded at half fp32's speed."""
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
         self.out_features, self.in_features = qdata.shape
         self.register_buffer("qdata", qdata.contiguous())
-        self.register_buffer("scale", scale.reshape(-1).contiguous())  # the activations' dtype, as the kernel needs
+        self.register_buffer("scale", scale.reshape(-1).contiguous())  # the activations' dtype, as ATen's GEMM needs
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qdata, self.scale)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        y = torch.ops.offgraph_kv.int8_linear(x, self.qdata, self.scale)
         return y if self.bias is None else y + self.bias
 
 
-def _use_int8_gemm(model: torch.nn.Module) -> None:
-    """Swap every linear torchao quantized to int8 for an ``Int8RowLinear`` of the same values."""
+class Int4GroupLinear(torch.nn.Module):
+    """A torchao int4 group-wise linear as ``offgraph_kv::int4_linear``: the
+    same values packed two per byte (``pack_int4``), a scale (and a zero point
+    when torchao made a nonzero one) per group."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], group_size: int,
+                 bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qdata.shape
+        self.group_size = group_size
+        self.register_buffer("packed", pack_int4(qdata, group_size))
+        self.register_buffer("scale", scale.reshape(self.out_features, -1).contiguous())
+        self.register_buffer("zero", None if zero is None else zero.reshape(self.out_features, -1).contiguous())
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.offgraph_kv.int4_linear(x, self.packed, self.scale, self.zero)
+        return y if self.bias is None else y + self.bias
+
+
+def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> None:
+    """Swap every linear torchao quantized for the backend op's module of the same values."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             w = getattr(child, "weight", None) if isinstance(child, torch.nn.Linear) else None
             if w is None or not hasattr(w, "qdata"):
                 continue
             zero = getattr(w, "zero_point", None)
-            if zero is not None and bool(zero.any()):
-                raise ValueError(f"quantize int8: {name} has nonzero zero points; the int8 GEMM is symmetric")
+            nonzero = zero is not None and bool(zero.any())
             act = getattr(w, "dtype", torch.float32)  # the dtype the linear computes in
-            if act != torch.bfloat16:
-                continue  # ATen's int8 GEMM is vectorised for bf16 activations only (fp32: 12x slower than fp32)
-            setattr(parent, name, Int8RowLinear(w.qdata, w.scale.to(act), child.bias))
+            if scheme == "int8":
+                if nonzero:
+                    raise ValueError(f"quantize int8: {name} has nonzero zero points; the int8 GEMM is symmetric")
+                setattr(parent, name, Int8RowLinear(w.qdata, w.scale.to(act), child.bias))
+            else:
+                if tuple(w.block_size) != (1, group_size):
+                    raise ValueError(f"quantize int4: {name} has blocks {tuple(w.block_size)}, not (1, {group_size})")
+                setattr(parent, name, Int4GroupLinear(w.qdata, w.scale.to(act), zero if nonzero else None,
+                                                      group_size, child.bias))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -147,10 +147,10 @@ def build_eager_reference(sidecar: Dict[str, object]) -> Transformer:
     # The program returns every token's logits or the last one's, as its model did.
     model.args.full_logits = bool(sidecar["model_args"].get("full_logits", True))
     q = sidecar.get("quantize")
-    if q:  # the same torchao quantization the export applied
+    if q:  # the same torchao quantization the export applied, run by torchao's own tensors
         from quantize import DEFAULT_GROUP_SIZE, quantize_model
 
-        quantize_model(model, q["scheme"], q.get("group_size") or DEFAULT_GROUP_SIZE)
+        quantize_model(model, q["scheme"], q.get("group_size") or DEFAULT_GROUP_SIZE, torchao_only=True)
     return model
 
 

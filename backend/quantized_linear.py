@@ -1,0 +1,215 @@
+"""Weight-only quantized linears as ops the backend lowers per step width.
+
+Two ops, for models to call (``examples/llama/quantize.py`` does):
+
+- ``offgraph_kv::int8_linear(x, qdata, scale)``: ``qdata [N, K]`` int8, one
+  scale per output row (``scale [N]``, the activations' dtype);
+- ``offgraph_kv::int4_linear(x, packed, scale, zero)``: values in [-8, 7] in
+  groups of ``G`` inputs, stored two per byte: ``packed [N, K/G, G/2]`` uint8
+  holds ``q + 8`` of input ``j`` of a group in the low nibble and of input
+  ``j + G/2`` in the high one (llama.cpp's Q4_0 order: both halves of a byte
+  meet contiguous inputs, so no interleaving is needed); ``scale [N, K/G]``;
+  ``zero`` (int8 ``[N, K/G]``, or None for symmetric) is subtracted first:
+  ``w = (q - zero) * scale``, torchao's dequantisation.
+
+The backend (``lower_quantized_linears``) replaces every call before
+AOTInductor compiles: on CPU, unless ``OFFGRAPH_KV_CPU_GEMV=mm``, with a branch
+on the step's rows (``torch.cond``, as ``decode_gemv`` does for float
+linears): one row -> one fused inductor reduction over the stored integers
+(the weight bytes read once, dequantised in registers, fp32 accumulation),
+wider -> what a GEMM needs (int8 in bf16: ATen's int8 GEMM; int8 in fp32:
+the weight dequantised, then ``mm``, torchao's own form; int4: each nibble
+half dequantised, then two ``mm``). Elsewhere the wider form serves every
+width.
+
+Why the reductions are shaped as they are (inductor's C++ backend; kernels
+measured by ``benchmarks/cpu/quant_gemv.py``): the inner dim of each reduction
+is the contiguous one, so the weight and activation loads vectorise; ``x``
+is converted to an fp32 buffer of its own first (``_fp32_rows``); int4 nibbles
+are split after a widening to int32 and the unsigned offset 8 (plus the zero
+point) is taken out of the inner loop as ``scale * offset * sum(x)`` per group
+(1536 x 576: 65.7 us with uint8 ops and the offset per weight, 53.7 us so;
+int16 ops fell back to scalar code, 472 us).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import fx
+
+# --------------------------------------------------------------------------- #
+# Packing
+# --------------------------------------------------------------------------- #
+
+
+def pack_int4(qdata: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[N, K]`` int8 in [-8, 7] -> ``[N, K/G, G/2]`` uint8, two values a byte (the layout above)."""
+    n, k = qdata.shape
+    if group_size % 2 or k % group_size:
+        raise ValueError(f"int4 packing needs an even group size dividing {k}, got {group_size}")
+    if qdata.numel() and (int(qdata.min()) < -8 or int(qdata.max()) > 7):
+        raise ValueError("int4 packing: values outside [-8, 7]")
+    u = (qdata.to(torch.int16) + 8).to(torch.uint8).view(n, k // group_size, 2, group_size // 2)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: ``[N, K/G, G/2]`` uint8 -> ``[N, K]`` int8."""
+    n, groups, half = packed.shape
+    p = packed.to(torch.int16)
+    q = torch.stack([p & 15, p >> 4], dim=2) - 8  # [N, K/G, 2, G/2]
+    return q.reshape(n, groups * 2 * half).to(torch.int8)
+
+
+# --------------------------------------------------------------------------- #
+# The two forms of each op
+# --------------------------------------------------------------------------- #
+
+
+def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32 as a buffer of its own. Converted inside the reduction instead, a bf16 ``x`` makes
+    inductor tile the loop by 32 (bf16's vector) with half-vector int8 loads: SmolLM2's 49152 x 576
+    int8 row took 2.57 ms, against 0.85 ms with fp32 rows (``as_strided`` has inductor realise it)."""
+    xf = x.float()
+    return xf if x.dtype == torch.float32 else torch.as_strided(xf, xf.shape, (xf.shape[-1], 1))
+
+
+def int8_one_row(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``[R, K]`` -> ``[R, N]``: ``scale[n] * sum_k x[r, k] * q[n, k]`` in fp32, for R == 1 (written for any
+    R: ``torch.cond`` traces both branches with the step's symbolic rows, and the weights' extents too)."""
+    return ((_fp32_rows(x).unsqueeze(1) * qdata.float()).sum(-1) * scale.float()).to(x.dtype)
+
+
+def int8_many_rows(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.bfloat16:  # ATen's int8 GEMM reads int8 as stored; vectorised for bf16 only
+        return torch.ops.aten._weight_int8pack_mm(x, qdata, scale)
+    return torch.mm(x, qdata.t().to(x.dtype)) * scale.to(x.dtype)  # torchao's own form
+
+
+def _int4_dots(xg: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # [R, 1, K/G, 2, G/2] x [N, K/G, G/2] -> [R, N]: sum of scale * (x_lo * lo + x_hi * hi), nibbles unsigned.
+    p = packed.to(torch.int32)
+    lo, hi = (p & 15).float(), (p >> 4).float()
+    return ((xg[..., 0, :] * lo + xg[..., 1, :] * hi) * scale.float().unsqueeze(-1)).sum((-1, -2))
+
+
+def int4_one_row(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                 zero: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[R, K]`` -> ``[R, N]``: the dequantised product for R == 1, weights read once as packed
+    (written for any R, as ``int8_one_row``)."""
+    _, groups, half = packed.shape
+    xg = _fp32_rows(x).reshape(-1, 1, groups, 2, half)
+    offset = 8.0 if zero is None else zero.float() + 8.0  # stored nibble = q + 8; w = (q - zero) * scale
+    # sum_g scale * offset * sum(x over the group): the offset's share, once per group, not per weight.
+    shift = (scale.float() * offset * xg.sum((-1, -2))).sum(-1)  # [R, N]
+    return (_int4_dots(xg, packed, scale) - shift).to(x.dtype)
+
+
+def int4_weight(packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+                dtype: torch.dtype) -> torch.Tensor:
+    """The dequantised ``[N, K]`` weight in ``dtype`` (computed in fp32, as torchao does)."""
+    n, groups, half = packed.shape
+    p = packed.to(torch.int32)
+    q = torch.cat([p & 15, p >> 4], dim=-1).float() - 8.0  # [N, K/G, G]: inputs j and j + G/2 of each group
+    if zero is not None:
+        q = q - zero.float().unsqueeze(-1)
+    return (q * scale.float().unsqueeze(-1)).reshape(n, groups * 2 * half).to(dtype)
+
+
+def int4_many_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                   zero: Optional[torch.Tensor]) -> torch.Tensor:
+    """Wider steps: the low and the high nibbles dequantised as two ``[N, K/2]`` weights, each
+    multiplied with the inputs it holds (64 x 1536 x 576 bf16: 0.36 ms, against 0.66 ms for one
+    interleaved ``[N, K]`` weight, whose select of a nibble per input inductor does not vectorise)."""
+    n, groups, half = packed.shape
+    xg = x.reshape(-1, groups, 2, half)
+    offset = 8.0 if zero is None else zero.float().unsqueeze(-1) + 8.0
+    sc = scale.float().unsqueeze(-1)
+    lo = (((packed & 15).float() - offset) * sc).to(x.dtype).reshape(n, groups * half)
+    hi = (((packed >> 4).float() - offset) * sc).to(x.dtype).reshape(n, groups * half)
+    return (torch.mm(xg[:, :, 0].reshape(-1, groups * half), lo.t())
+            + torch.mm(xg[:, :, 1].reshape(-1, groups * half), hi.t()))
+
+
+# --------------------------------------------------------------------------- #
+# The ops (eager: the wider form, for any row count)
+# --------------------------------------------------------------------------- #
+
+
+@torch.library.custom_op("offgraph_kv::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return int8_many_rows(rows, qdata, scale).reshape(*x.shape[:-1], qdata.shape[0])
+
+
+@int8_linear.register_fake
+def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], qdata.shape[0])
+
+
+@torch.library.custom_op("offgraph_kv::int4_linear", mutates_args=())
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                zero: Optional[torch.Tensor]) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return int4_many_rows(rows, packed, scale, zero).reshape(*x.shape[:-1], packed.shape[0])
+
+
+@int4_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+# --------------------------------------------------------------------------- #
+# Lowering
+# --------------------------------------------------------------------------- #
+
+
+def _by_width(one_row: Callable[..., torch.Tensor], many_rows: Callable[..., torch.Tensor],
+              reduce: bool) -> Callable[..., torch.Tensor]:
+    def call(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        n = rows.shape[0]
+        if not reduce:
+            out = many_rows(rows, *weights)
+        elif isinstance(n, int):
+            out = one_row(rows, *weights) if n == 1 else many_rows(rows, *weights)
+        else:
+            out = torch.cond(n == 1, one_row, many_rows, (rows, *weights))
+        return out.reshape(*lead, out.shape[-1])
+    return call
+
+
+def _without_zero(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    # torch.cond's operands must be tensors: a symmetric int4 linear's branches take no zero point.
+    return lambda x, packed, scale: fn(x, packed, scale, None)
+
+
+def lower_quantized_linears(program: fx.GraphModule, reduce: bool) -> int:
+    """Replace every quantized-linear op of ``program`` (in place) by its lowering; returns how many.
+    ``reduce``: one-row steps as reductions (CPU), else the wider form for every width."""
+    count = 0
+    for node in list(program.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.offgraph_kv.int8_linear.default:
+            fn, args = _by_width(int8_one_row, int8_many_rows, reduce), tuple(node.args)
+        elif node.target is torch.ops.offgraph_kv.int4_linear.default:
+            x, packed, scale, zero = node.args
+            if zero is None:
+                fn = _by_width(_without_zero(int4_one_row), _without_zero(int4_many_rows), reduce)
+                args = (x, packed, scale)
+            else:
+                fn, args = _by_width(int4_one_row, int4_many_rows, reduce), (x, packed, scale, zero)
+        else:
+            continue
+        with program.graph.inserting_before(node):
+            new = program.graph.call_function(fn, args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        program.graph.erase_node(node)
+        count += 1
+    program.recompile()
+    return count
