@@ -47,25 +47,13 @@ def measure(paths: Dict[str, Path], steps: int, context: int) -> Dict[str, objec
 
     import offgraph_kv.runtime as rt
 
+    from benchmarks.lib.interleaved import greedy_turns
+
     torch.set_num_threads(1)
     methods = {k: rt.load_method(p) for k, p in paths.items()}
-    prompt = torch.randint(0, 49_152, (1, context), generator=torch.Generator().manual_seed(0))
-    last: Dict[str, torch.Tensor] = {}
-    for k, m in methods.items():
-        for s in range(0, context, 64):
-            w = min(64, context - s)
-            last[k] = m.execute([prompt[:, s:s + w], torch.arange(s, s + w).unsqueeze(-1)])[0][:, -1]
+    last, times, ids = greedy_turns(methods, context, steps)
     prefill_equal = bool(torch.equal(last["mm"], last["reduce"]))
-    tok = {k: last[k].argmax(-1).view(1, 1) for k in methods}
-    times: Dict[str, List[float]] = {k: [] for k in methods}
-    same = 0
-    for i in range(steps):
-        for k, m in methods.items():
-            t0 = time.perf_counter()
-            out = m.execute([tok[k], torch.tensor([[context + i]])])[0]
-            times[k].append(time.perf_counter() - t0)
-            tok[k] = out[:, -1:].argmax(-1)
-        same += int(torch.equal(tok["mm"], tok["reduce"]))
+    same = sum(a == b for a, b in zip(ids["mm"], ids["reduce"]))
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     return {"decode_ms_median": ms, "reduce_over_mm": ms["reduce"] / ms["mm"], "prefill_logits_equal": prefill_equal,
             "greedy_ids_equal": same, "steps": steps, "context": context}

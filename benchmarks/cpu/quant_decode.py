@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -29,24 +28,11 @@ def measure(paths: Dict[str, Path], steps: int, context: int) -> Dict[str, objec
 
     import offgraph_kv.runtime as rt
 
+    from benchmarks.lib.interleaved import greedy_turns
+
     torch.set_num_threads(1)
     methods = {k: rt.load_method(str(p)) for k, p in paths.items()}
-    prompt = torch.randint(0, 49_152, (1, context), generator=torch.Generator().manual_seed(0))
-    tok: Dict[str, torch.Tensor] = {}
-    for k, m in methods.items():
-        for s in range(0, context, 64):
-            w = min(64, context - s)
-            last = m.execute([prompt[:, s:s + w], torch.arange(s, s + w).unsqueeze(-1)])[0][:, -1]
-        tok[k] = last.argmax(-1).view(1, 1)
-    times: Dict[str, List[float]] = {k: [] for k in methods}
-    ids: Dict[str, List[int]] = {k: [] for k in methods}
-    for i in range(steps):
-        for k, m in methods.items():
-            t0 = time.perf_counter()
-            out = m.execute([tok[k], torch.tensor([[context + i]])])[0]
-            times[k].append(time.perf_counter() - t0)
-            tok[k] = out[:, -1:].argmax(-1)
-            ids[k].append(int(tok[k]))
+    _, times, ids = greedy_turns(methods, context, steps)
     return {"decode_ms_median": {k: 1e3 * statistics.median(v) for k, v in times.items()},
             "decode_ms_all": {k: [1e3 * t for t in v] for k, v in times.items()}, "ids": ids,
             "pte_bytes": {k: Path(p).stat().st_size for k, p in paths.items()}, "steps": steps, "context": context}

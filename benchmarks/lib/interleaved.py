@@ -77,6 +77,30 @@ def interleaved_decode(programs: Dict[int, OffGraphProgram], contexts: List[int]
     return out
 
 
+def greedy_turns(methods: Dict[str, object], context: int, steps: int, vocab: int = 49_152,
+                 chunk: int = 64) -> "tuple[Dict[str, torch.Tensor], Dict[str, List[float]], Dict[str, List[int]]]":
+    """Loaded methods (``execute([tokens, positions])``) filled with one random prompt of ``context``
+    tokens in ``chunk``-token steps, then ``steps`` greedy decode steps each, in turns (a burst of other
+    work lands on all alike). Returns each method's last prefill logits, decode step seconds and ids."""
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0))
+    last: Dict[str, torch.Tensor] = {}
+    for k, m in methods.items():
+        for s in range(0, context, chunk):
+            w = min(chunk, context - s)
+            last[k] = m.execute([prompt[:, s:s + w], torch.arange(s, s + w).unsqueeze(-1)])[0][:, -1]
+    tok = {k: last[k].argmax(-1).view(1, 1) for k in methods}
+    times: Dict[str, List[float]] = {k: [] for k in methods}
+    ids: Dict[str, List[int]] = {k: [] for k in methods}
+    for i in range(steps):
+        for k, m in methods.items():
+            t0 = time.perf_counter()
+            out = m.execute([tok[k], torch.tensor([[context + i]])])[0]
+            times[k].append(time.perf_counter() - t0)
+            tok[k] = out[:, -1:].argmax(-1)
+            ids[k].append(int(tok[k]))
+    return last, times, ids
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", action="append", required=True, help="CAPACITY=PATH of an offgraph-kv .pte")
