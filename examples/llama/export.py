@@ -32,7 +32,7 @@ from checkpoint import (  # noqa: E402
     LoadedCheckpoint, default_weights_dtype, dtype_name, load_hf, load_meta, parse_dtype)
 from gguf_import import load_gguf, smollm2_gguf_path, tokenizer_dir_for, write_tokenizer  # noqa: E402
 from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic  # noqa: E402
-from quantize import DEFAULT_GROUP_SIZE, EXTRA_ATEN_OPS, SCHEMES, quantize_model, weight_bytes  # noqa: E402
+from quantize import DEFAULT_GROUP_SIZE, SCHEMES, quantize_model, weight_bytes  # noqa: E402
 from report import format_bytes  # noqa: E402
 from tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, find_tokenizer_near, load_tokenizer  # noqa: E402
 
@@ -246,7 +246,7 @@ def scan_pte(data: bytes) -> Dict[str, int]:
 
 def export(a: argparse.Namespace) -> Dict[str, object]:
     """Build, export, lower and write; returns the summary (also written in the sidecar)."""
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.exir import to_edge_transform_and_lower
 
     from offgraph_kv.partitioner import OffGraphKVPartitioner
 
@@ -274,12 +274,10 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
     # Only name per-layer policies when a layer is not flat (the partitioner's default).
     if any(w > 0 for w in args.sliding_windows):
         part_kwargs["layers"] = policies
-    # ExecuTorch's edge verifier admits only core ATen ops; the int8 GEMM is not
-    # one, but the partitioner hands the whole graph to AOTInductor, which calls it.
-    config = EdgeCompileConfig(_core_aten_ops_exception_list=list(EXTRA_ATEN_OPS))
+    # Quantized linears reach the edge stage as the backend's own ops
+    # (backend/quantized_linear.py), which it lowers before AOTInductor compiles.
     with progress.stage("lower (AOTInductor compile)"):
-        prog = to_edge_transform_and_lower(ep, partitioner=[OffGraphKVPartitioner(**part_kwargs)],
-                                           compile_config=config).to_executorch()
+        prog = to_edge_transform_and_lower(ep, partitioner=[OffGraphKVPartitioner(**part_kwargs)]).to_executorch()
 
     out = Path(a.out)
     with progress.stage("serialize"):

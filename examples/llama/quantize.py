@@ -35,9 +35,6 @@ import torch
 from offgraph_kv.backend.quantized_linear import pack_int4  # also registers the offgraph_kv:: ops
 
 SCHEMES = ("int8", "int4")
-# ATen ops outside the core opset that quantized models call (the exporter
-# admits them: ``EdgeCompileConfig(_core_aten_ops_exception_list=...)``).
-EXTRA_ATEN_OPS = (torch.ops.aten._weight_int8pack_mm.default,)
 DEFAULT_GROUP_SIZE = 32
 
 
