@@ -184,6 +184,33 @@ def reduced_attention_with_lse(
     return out, (peak + torch.log(total)).squeeze(-1)
 
 
+def grouped_decode_attention_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                                      groups: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``reduced_attention_with_lse`` for a one-token step, the ``groups`` query
+    rows of each KV head written out one by one: inductor then fuses them into
+    one pass over the history with ``groups`` accumulators, so each stored row
+    is loaded and widened once for all of them (the row-batched form reads it
+    once per query row, one horizontal sum at a time).
+
+    Valid only when each KV head has exactly ``groups`` query rows (T == 1);
+    the result is laid out for any T so that both branches of the width's
+    ``torch.cond`` agree in shape.
+    """
+    r = q.shape[2]
+    qf = q.float()
+    kf, vf = keys.float(), values.float()
+    logits = torch.stack([(qf[:, :, g].unsqueeze(2) * kf).sum(-1) for g in range(groups)], 2) * scale
+    peak = logits.amax(-1, keepdim=True)
+    p = torch.exp(logits - peak)
+    total = p.sum(-1, keepdim=True)
+    out = torch.stack([(p[:, :, g].unsqueeze(-1) * vf).sum(2) for g in range(groups)], 2) / total
+    lse = (peak + torch.log(total)).squeeze(-1)
+    # [1, H_kv, G, ...] -> the caller's G*T rows (index r % G: row r itself when T == 1,
+    # the only case this branch runs; any T keeps the shape both cond branches share).
+    rows = torch.arange(r, device=q.device) % groups
+    return out.index_select(2, rows), lse.index_select(2, rows)
+
+
 def _dense(*tensors: torch.Tensor) -> "tuple[torch.Tensor, ...]":
     # Both branches of a cond must return one layout (AOTI refuses differing
     # strides; the fused kernel's lse is head-strided); the copies are T rows.
@@ -195,14 +222,17 @@ def _converted_attention_with_lse(q: torch.Tensor, keys: torch.Tensor, values: t
     return _dense(*torch.ops.offgraph_kv.attend_with_lse(q, keys.float(), values.float(), scale))
 
 
-def _reduced_branch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+def _reduced_branch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, groups: int,
                     ) -> "tuple[torch.Tensor, torch.Tensor]":
-    out, lse = reduced_attention_with_lse(q, keys, values, scale)
+    if _cpu_decode_lowering() == "grouped":
+        out, lse = grouped_decode_attention_with_lse(q, keys, values, scale, groups)
+    else:
+        out, lse = reduced_attention_with_lse(q, keys, values, scale)
     return _dense(out.to(q.dtype), lse)
 
 
 def _history_16bit(step_width: "int | torch.SymInt", q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   scale: float) -> "tuple[torch.Tensor, torch.Tensor]":
+                   scale: float, groups: int) -> "tuple[torch.Tensor, torch.Tensor]":
     """CPU, 16-bit storage: attention over the rows every query sees.
 
     A one-token step (decode) reads the 16-bit rows directly
@@ -215,20 +245,29 @@ def _history_16bit(step_width: "int | torch.SymInt", q: torch.Tensor, keys: torc
     choice is a ``torch.cond`` on the width, a branch in the compiled code.
     """
     if isinstance(step_width, int):  # a static width: no branch to keep
-        branch = _reduced_branch if step_width == 1 else _converted_attention_with_lse
-        return branch(q, keys, values, scale)
-    return torch.cond(step_width == 1, lambda a, b, c: _reduced_branch(a, b, c, scale),
+        if step_width == 1:
+            return _reduced_branch(q, keys, values, scale, groups)
+        return _converted_attention_with_lse(q, keys, values, scale)
+    return torch.cond(step_width == 1, lambda a, b, c: _reduced_branch(a, b, c, scale, groups),
                       lambda a, b, c: _converted_attention_with_lse(a, b, c, scale), (q, keys, values))
 
 
-# ``OFFGRAPH_KV_CPU_ATTENTION=convert`` (read at export) lowers CPU 16-bit
-# storage as before: the whole history converted to fp32 every step. Kept so
-# the two lowerings can be compared side by side (benchmarks/cpu/attention_16bit.py).
+# ``OFFGRAPH_KV_CPU_ATTENTION`` (read at export) picks the CPU lowering of
+# 16-bit storage: ``direct`` (the default, above); ``grouped``, decode steps
+# through ``grouped_decode_attention_with_lse`` (8 SmolLM2-shaped layers, in
+# turns: 1.03x / 1.00x / 0.81x the default's decode step at 200 / 2,000 / 8,000
+# rows, benchmarks/results/cpu_attention_grouped.json: it pays only at long
+# context, so it stays opt-in); ``convert``, the whole history converted to fp32
+# every step, as before. Kept side by side for benchmarks/cpu/attention_16bit.py.
 CPU_ENV_SWITCH = "OFFGRAPH_KV_CPU_ATTENTION"
 
 
+def _cpu_decode_lowering() -> str:
+    return switch(CPU_ENV_SWITCH, ("direct", "grouped", "convert"), "direct")
+
+
 def _cpu_reads_16bit() -> bool:
-    return switch(CPU_ENV_SWITCH, ("direct", "convert"), "direct") == "direct"
+    return _cpu_decode_lowering() != "convert"
 
 
 def attend_flat(
@@ -252,7 +291,7 @@ def attend_flat(
     seen = s - t + 1  # rows every query sees: the history and the step's first row (never empty)
     k_a, v_a = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)
     if q.device.type == "cpu" and keys.dtype != torch.float32:  # 16-bit, as stored
-        out_a, lse_a = _history_16bit(t, folded, k_a, v_a, scale)
+        out_a, lse_a = _history_16bit(t, folded, k_a, v_a, scale, hq // hkv)
     else:
         out_a, lse_a = torch.ops.offgraph_kv.attend_with_lse(folded, k_a, v_a, scale)
     # The step's remaining T - 1 rows: query i sees row seen + j only when j < i.

@@ -28,9 +28,12 @@ def _reference(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, sc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+@pytest.mark.parametrize("lowering", ["direct", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("history,width", [(0, 1), (1, 1), (37, 1), (300, 1), (0, 5), (40, 7), (300, 16)])
-def test_16bit_storage_attention_matches_fp32_attention_over_the_stored_rows(dtype, history, width):
+def test_16bit_storage_attention_matches_fp32_attention_over_the_stored_rows(dtype, history, width, lowering,
+                                                                             monkeypatch):
+    monkeypatch.setenv(attention.CPU_ENV_SWITCH, lowering)
     g = torch.Generator().manual_seed(history * 31 + width)
     s = history + width
     q = torch.randn(1, H_Q, width, D, generator=g)
@@ -54,6 +57,21 @@ def test_reduced_attention_returns_fp32_output_and_log_sum_exp():
     assert out.dtype == lse.dtype == torch.float32
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, torch.softmax(logits, -1) @ v.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 3, 4])
+def test_grouped_decode_attention_equals_the_row_batched_reductions(groups):
+    # The one-token form (each KV head's query rows written out one by one) computes
+    # the same fp32 sums as the row-batched form: only inductor's loop nest differs.
+    g = torch.Generator().manual_seed(groups)
+    q = torch.randn(1, H_KV, groups, D, generator=g)
+    k = torch.randn(1, H_KV, 70, D, generator=g).bfloat16()
+    v = torch.randn(1, H_KV, 70, D, generator=g).bfloat16()
+    want = attention.reduced_attention_with_lse(q, k, v, 0.3)
+    got = attention.grouped_decode_attention_with_lse(q, k, v, 0.3, groups)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 def test_cpu_attention_switch_rejects_an_unknown_lowering(monkeypatch):
