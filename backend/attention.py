@@ -177,11 +177,18 @@ def reduced_attention_with_lse(
     steps take the fused kernel instead (``_history_16bit``).
     """
     logits = (q.unsqueeze(3) * keys.unsqueeze(2).float()).sum(-1) * scale  # [1, H_kv, R, S]
+    p, total, lse = _softmax_parts(logits)
+    out = (p.unsqueeze(-1) * values.unsqueeze(2).float()).sum(-2) / total
+    return out, lse
+
+
+def _softmax_parts(logits: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+    """Unnormalised weights over the last dim, their sum (kept) and the log-sum-exp: the
+    reductions' softmax, left unnormalised so the division happens once per output row."""
     peak = logits.amax(-1, keepdim=True)
     p = torch.exp(logits - peak)
     total = p.sum(-1, keepdim=True)
-    out = (p.unsqueeze(-1) * values.unsqueeze(2).float()).sum(-2) / total
-    return out, (peak + torch.log(total)).squeeze(-1)
+    return p, total, (peak + torch.log(total)).squeeze(-1)
 
 
 def grouped_decode_attention_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -200,11 +207,8 @@ def grouped_decode_attention_with_lse(q: torch.Tensor, keys: torch.Tensor, value
     qf = q.float()
     kf, vf = keys.float(), values.float()
     logits = torch.stack([(qf[:, :, g].unsqueeze(2) * kf).sum(-1) for g in range(groups)], 2) * scale
-    peak = logits.amax(-1, keepdim=True)
-    p = torch.exp(logits - peak)
-    total = p.sum(-1, keepdim=True)
+    p, total, lse = _softmax_parts(logits)
     out = torch.stack([(p[:, :, g].unsqueeze(-1) * vf).sum(2) for g in range(groups)], 2) / total
-    lse = (peak + torch.log(total)).squeeze(-1)
     # [1, H_kv, G, ...] -> the caller's G*T rows (index r % G: row r itself when T == 1,
     # the only case this branch runs; any T keeps the shape both cond branches share).
     rows = torch.arange(r, device=q.device) % groups

@@ -23,6 +23,7 @@ outright.
 
 from __future__ import annotations
 
+import math
 
 import torch
 from torch import fx
@@ -86,10 +87,7 @@ def _step_rows(x: object) -> bool:
     lead = val.shape[:-1]
     if any(isinstance(d, torch.SymInt) for d in lead):
         return True
-    rows = 1
-    for d in lead:
-        rows *= int(d)
-    return rows == 1
+    return math.prod(int(d) for d in lead) == 1
 
 
 def _constant(node: object) -> "fx.Node | None":
