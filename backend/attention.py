@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from offgraph_kv.backend.switches import switch
+from offgraph_kv.backend.width_branch import by_width
 
 
 def attention_dtype(storage: torch.dtype, device: torch.device) -> torch.dtype:
@@ -248,12 +249,8 @@ def _history_16bit(step_width: "int | torch.SymInt", q: torch.Tensor, keys: torc
     64 queries over 2,000 rows, 3 KV heads). One program serves both, so the
     choice is a ``torch.cond`` on the width, a branch in the compiled code.
     """
-    if isinstance(step_width, int):  # a static width: no branch to keep
-        if step_width == 1:
-            return _reduced_branch(q, keys, values, scale, groups)
-        return _converted_attention_with_lse(q, keys, values, scale)
-    return torch.cond(step_width == 1, lambda a, b, c: _reduced_branch(a, b, c, scale, groups),
-                      lambda a, b, c: _converted_attention_with_lse(a, b, c, scale), (q, keys, values))
+    return by_width(step_width, lambda a, b, c: _reduced_branch(a, b, c, scale, groups),
+                    lambda a, b, c: _converted_attention_with_lse(a, b, c, scale), (q, keys, values))
 
 
 # ``OFFGRAPH_KV_CPU_ATTENTION`` (read at export) picks the CPU lowering of

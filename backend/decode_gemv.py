@@ -29,6 +29,7 @@ import torch
 from torch import fx
 
 from offgraph_kv.backend.switches import switch
+from offgraph_kv.backend.width_branch import by_width
 
 ENV_SWITCH = "OFFGRAPH_KV_CPU_GEMV"
 
@@ -52,11 +53,7 @@ def linear_by_width(x: torch.Tensor, w: torch.Tensor, bias: "torch.Tensor | None
     ``x`` holds one row, ATen's GEMM otherwise."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
-    n = rows.shape[0]
-    if isinstance(n, int):
-        out = _one_row(rows, w) if n == 1 else _many_rows(rows, w)
-    else:
-        out = torch.cond(n == 1, _one_row, _many_rows, (rows, w))
+    out = by_width(rows.shape[0], _one_row, _many_rows, (rows, w))
     out = out.reshape(*lead, w.shape[0])
     return out if bias is None else out + bias
 

@@ -39,6 +39,8 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
+from offgraph_kv.backend.width_branch import by_width
+
 # --------------------------------------------------------------------------- #
 # Packing
 # --------------------------------------------------------------------------- #
@@ -171,13 +173,7 @@ def _by_width(one_row: Callable[..., torch.Tensor], many_rows: Callable[..., tor
     def call(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)
-        n = rows.shape[0]
-        if not reduce:
-            out = many_rows(rows, *weights)
-        elif isinstance(n, int):
-            out = one_row(rows, *weights) if n == 1 else many_rows(rows, *weights)
-        else:
-            out = torch.cond(n == 1, one_row, many_rows, (rows, *weights))
+        out = by_width(rows.shape[0], one_row, many_rows, (rows, *weights)) if reduce else many_rows(rows, *weights)
         return out.reshape(*lead, out.shape[-1])
     return call
 

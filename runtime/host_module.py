@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -40,15 +40,37 @@ class HostMethod:
         its own KV store and planned memory, the compiled code and the weights shared."""
         return HostMethod(self.path, _runner=self._runner.new_session())
 
-    def execute(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    @staticmethod
+    def _dense(inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         dense = []
         for i, t in enumerate(inputs):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"input {i}: expected a torch.Tensor, got {type(t).__name__}")
             if t.device.type != "cpu":
                 raise ValueError(f"input {i}: method inputs are host tensors, got one on {t.device}")
-            dense.append(t.contiguous())  # kept alive until run returns
-        outs = self._runner.run([(t.data_ptr(), list(t.shape), _dtype_name(t.dtype)) for t in dense])
+            dense.append(t.contiguous())  # kept alive until the call returns
+        return dense
+
+    @staticmethod
+    def _described(dense: Sequence[torch.Tensor]) -> list:
+        return [(t.data_ptr(), list(t.shape), _dtype_name(t.dtype)) for t in dense]
+
+    def decode_greedy(self, inputs: Sequence[torch.Tensor], steps: int, token_input: int = 0, position_input: int = 1,
+                      stop_ids: Sequence[int] = (), logits_output: int = 0) -> Tuple[List[int], List[int]]:
+        """Up to ``steps`` greedy one-token steps in the runtime's C++ loop, as
+        ExecuTorch's C++ LLM runner decodes: no Python between tokens. ``inputs``
+        are the first step's; each step feeds back the argmax of the last row of
+        output ``logits_output`` and advances every position by one; the loop
+        also ends after a token in ``stop_ids``. Returns the tokens and each
+        step's host nanoseconds. A failed step raises; the steps before it stand."""
+        dense = self._dense(inputs)
+        tokens, step_ns = self._runner.decode_greedy(self._described(dense), token_input, position_input, steps,
+                                                     list(stop_ids), logits_output)
+        return list(tokens), list(step_ns)
+
+    def execute(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        dense = self._dense(inputs)  # alive until run returns
+        outs = self._runner.run(self._described(dense))
         result = []
         for dtype, sizes, payload in outs:
             # The bytearray is already our own copy: wrap it, do not copy again.

@@ -10,10 +10,12 @@ import gc
 
 import pytest
 import torch
-from conftest import MEDIUM, TOY, Oracle, Session, generate_checked, greedy, load_configured, lower, positions, prompt
+from conftest import (MEDIUM, TOY, Oracle, Session, configured, generate_checked, greedy, load_configured, lower, positions,
+                      prompt)
 from model import Transformer, init_deterministic
 
 import offgraph_kv.runtime
+from offgraph_kv.runtime import HostMethod
 from executorch.extension.llm.cache.reference_cache import LayerPolicy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -246,6 +248,23 @@ def test_cuda_decode_graph_replays_give_the_uncaptured_logits_bit_for_bit(pte_fa
     # Map growth never moves the storage: one capture for the whole run. Copy
     # growth moves it at 17, 33 and 65 tokens, each after the first capture.
     assert g["graph_captures"] == (1 if growth == "map" else 4), g
+
+
+def test_cuda_cpp_greedy_loop_replays_the_graph_and_gives_the_python_loops_tokens(pte_factory):
+    # HostMethod.decode_greedy: the decode loop in C++ (ExecuTorch's C++ runner's
+    # way), each step the same captured graph the Python loop replays.
+    path = pte_factory(device="cuda", storage_dtype=torch.bfloat16, initial_capacity=8, layers=MIXED, max_write=8)
+    with configured(growth="map"):
+        python_loop, cpp_loop = HostMethod(path), HostMethod(path)
+    first = [greedy(m.execute([prompt(8, seed=5), positions(0, 8)])[0]) for m in (python_loop, cpp_loop)][0]
+    want, tok = [], first
+    for i in range(40):  # flat storage grows 8 -> 16 -> 32 -> 64 under both loops
+        tok = greedy(python_loop.execute([tok, positions(8 + i, 1)])[0])
+        want.append(int(tok))
+    got, _ = cpp_loop.decode_greedy([first, positions(8, 1)], steps=40)
+    assert got == want
+    m = cpp_loop.store.metrics()
+    assert (m["graph_captures"], m["graph_replays"], m["length"]) == (1, 39, 48), m
 
 
 def test_cuda_decode_graph_survives_rewind_and_a_rejected_step(pte_factory, model):

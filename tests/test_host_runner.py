@@ -49,3 +49,37 @@ def test_host_runner_names_bad_inputs(pte_factory, tmp_path):
         host.execute([prompt(2), 5])
     with pytest.raises(RuntimeError, match="loading program"):
         HostMethod(tmp_path / "missing.pte")
+
+
+def test_cpp_greedy_loop_gives_the_python_loops_tokens_and_stops_at_a_stop_id(pte_factory):
+    path = pte_factory(storage_dtype=torch.float32, initial_capacity=8)
+    python_loop, cpp_loop = HostMethod(path), HostMethod(path)
+    first = [greedy(m.execute([prompt(5), positions(0, 5)])[0]) for m in (python_loop, cpp_loop)][0]
+    want, tok = [], first
+    for i in range(20):  # across growths: 8 -> 16 -> 32 rows
+        tok = greedy(python_loop.execute([tok, positions(5 + i, 1)])[0])
+        want.append(int(tok))
+    got, step_ns = cpp_loop.decode_greedy([first, positions(5, 1)], steps=20)
+    assert got == want and len(step_ns) == 20 and all(ns > 0 for ns in step_ns)
+    assert cpp_loop.store.length == python_loop.store.length == 25
+
+    stop = want[3]
+    again = HostMethod(path)
+    again.execute([prompt(5), positions(0, 5)])
+    got, _ = again.decode_greedy([first, positions(5, 1)], steps=20, stop_ids=[stop])
+    assert got == want[:want.index(stop) + 1] and again.store.length == 5 + len(got)
+
+
+def test_cpp_greedy_loop_names_bad_requests_and_keeps_the_steps_before_a_failure(pte_factory, capfd):
+    path = pte_factory(storage_dtype=torch.float32, initial_capacity=8)
+    with configured(max_capacity=12):
+        host = HostMethod(path)
+    host.execute([prompt(10), positions(0, 10)])
+    with pytest.raises(RuntimeError, match="token input 0: expected one int64 token id"):
+        host.decode_greedy([prompt(2), positions(10, 2)], steps=3)
+    with pytest.raises(RuntimeError, match="token_input 0 and position_input 0 must be two of the 2 inputs"):
+        host.decode_greedy([prompt(1), positions(10, 1)], steps=3, position_input=0)
+    with pytest.raises(RuntimeError, match="executing 'forward' failed"):
+        host.decode_greedy([prompt(1), positions(10, 1)], steps=5)  # the third step is past max_capacity
+    assert "beyond max_capacity 12" in capfd.readouterr().err
+    assert host.store.length == 12

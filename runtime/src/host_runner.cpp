@@ -2,6 +2,8 @@
 
 #include <executorch/extension/tensor/tensor.h>
 
+#include <chrono>
+#include <cstring>
 #include <utility>
 
 #include "store_registry.h"
@@ -35,6 +37,50 @@ const char* name_of(ScalarType type) {
   for (const DTypeName& d : kDTypes)
     if (d.type == type) return d.name;
   return nullptr;
+}
+
+size_t elements_of(const std::vector<int64_t>& sizes) {
+  size_t n = 1;
+  for (int64_t d : sizes) n *= d < 0 ? 0 : size_t(d);
+  return n;
+}
+
+// Index of the largest of `n` values of `type` at `data` (the first one on ties, as torch.argmax).
+template <typename T>
+size_t argmax_of(const T* data, size_t n) {
+  size_t best = 0;
+  float top = float(data[0]);
+  for (size_t i = 1; i < n; ++i) {
+    const float v = float(data[i]);
+    if (v > top) {
+      top = v;
+      best = i;
+    }
+  }
+  return best;
+}
+
+bool argmax_last_row(const HostTensor& logits, size_t* index) {
+  if (logits.sizes.empty() || logits.sizes.back() <= 0) return false;
+  const size_t vocab = size_t(logits.sizes.back());
+  const char* bytes = static_cast<const char*>(logits.data);
+  if (logits.dtype == "float32") {
+    const size_t rows = logits.nbytes / (vocab * sizeof(float));
+    *index = argmax_of(reinterpret_cast<const float*>(bytes) + (rows - 1) * vocab, vocab);
+    return rows > 0;
+  }
+  if (logits.dtype == "bfloat16" || logits.dtype == "float16") {
+    const size_t rows = logits.nbytes / (vocab * 2);
+    if (rows == 0) return false;
+    const uint16_t* last = reinterpret_cast<const uint16_t*>(bytes) + (rows - 1) * vocab;
+    if (logits.dtype == "bfloat16") {
+      *index = argmax_of(reinterpret_cast<const executorch::aten::BFloat16*>(last), vocab);
+    } else {
+      *index = argmax_of(reinterpret_cast<const executorch::aten::Half*>(last), vocab);
+    }
+    return true;
+  }
+  return false;
 }
 
 std::string error_text(const char* what, executorch::runtime::Error e) {
@@ -115,6 +161,58 @@ Status HostRunner::run(const std::vector<HostTensor>& inputs, std::vector<HostTe
     out.data = t.const_data_ptr();
     out.nbytes = t.nbytes();
     outputs->push_back(std::move(out));
+  }
+  return Status::ok_status();
+}
+
+Status HostRunner::decode_greedy(const GreedyRequest& req, GreedyResult* result) {
+  result->tokens.clear();
+  result->step_ns.clear();
+  const size_t n = req.inputs.size();
+  if (req.token_input >= n || req.position_input >= n || req.token_input == req.position_input)
+    return Status(Error::InvalidArgument, "token_input " + std::to_string(req.token_input) + " and position_input " +
+                                              std::to_string(req.position_input) + " must be two of the " +
+                                              std::to_string(n) + " inputs");
+  const HostTensor& tok = req.inputs[req.token_input];
+  const HostTensor& pos = req.inputs[req.position_input];
+  const size_t tok_elements = elements_of(tok.sizes), pos_elements = elements_of(pos.sizes);
+  if (tok.dtype != "int64" || tok_elements != 1)
+    return Status(Error::InvalidArgument, "token input " + std::to_string(req.token_input) +
+                                              ": expected one int64 token id (a width-1 step), got " +
+                                              std::to_string(tok_elements) + " " + tok.dtype + " values");
+  if (pos.dtype != "int64" || pos_elements == 0)
+    return Status(Error::InvalidArgument, "position input " + std::to_string(req.position_input) +
+                                              ": expected int64 positions, got " + std::to_string(pos_elements) + " " +
+                                              pos.dtype + " values");
+  // The loop owns its token and positions; every other input stays the caller's.
+  int64_t token = 0;
+  std::memcpy(&token, tok.data, sizeof(token));
+  std::vector<int64_t> positions(pos_elements);
+  std::memcpy(positions.data(), pos.data, pos_elements * sizeof(int64_t));
+  std::vector<HostTensor> inputs = req.inputs;
+  inputs[req.token_input].data = &token;
+  inputs[req.position_input].data = positions.data();
+  std::vector<HostTensor> outputs;
+  result->tokens.reserve(req.steps);
+  result->step_ns.reserve(req.steps);
+  for (size_t step = 0; step < req.steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    Status s = run(inputs, &outputs);
+    if (!s.ok()) return s;
+    if (req.logits_output >= outputs.size())
+      return Status(Error::InvalidArgument, "logits_output " + std::to_string(req.logits_output) + ": the method has " +
+                                                std::to_string(outputs.size()) + " outputs");
+    size_t next = 0;
+    if (!argmax_last_row(outputs[req.logits_output], &next))
+      return Status(Error::InvalidArgument, "output " + std::to_string(req.logits_output) +
+                                                " is not floating-point logits (" + outputs[req.logits_output].dtype + ")");
+    token = int64_t(next);
+    for (int64_t& p : positions) ++p;
+    result->tokens.push_back(token);
+    result->step_ns.push_back(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+    for (int64_t stop : req.stop_ids)
+      if (token == stop) return Status::ok_status();
   }
   return Status::ok_status();
 }

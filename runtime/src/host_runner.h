@@ -26,6 +26,23 @@ struct HostTensor {
 
 class KVStore;
 
+// A greedy decode loop entirely in C++, as ExecuTorch's C++ LLM runner runs it
+// (one Module::execute per token, the argmax on the host): what a deployed
+// program pays per token without Python in the loop.
+struct GreedyRequest {
+  std::vector<HostTensor> inputs;  // the first decode step's inputs, width 1
+  size_t token_input = 0;          // holds the token id (int64, one element)
+  size_t position_input = 1;       // int64; every element advances by one per step
+  size_t logits_output = 0;        // its last `vocab` values (the last dim) are the next token's logits
+  size_t steps = 0;
+  std::vector<int64_t> stop_ids;   // the loop ends after generating one of these
+};
+
+struct GreedyResult {
+  std::vector<int64_t> tokens;     // one per step run: the argmax of that step's logits
+  std::vector<int64_t> step_ns;    // host wall time of each step, argmax included
+};
+
 class HostRunner {
  public:
   // Loads the program and the method (delegate init runs here).
@@ -38,6 +55,9 @@ class HostRunner {
   std::unique_ptr<HostRunner> new_session(Status* status) const;
   // One execution; inputs are dense host tensors. Outputs alias the method's memory.
   Status run(const std::vector<HostTensor>& inputs, std::vector<HostTensor>* outputs);
+  // Runs up to req.steps greedy decode steps; the first failure stops the loop
+  // (the store keeps every step that succeeded) and is returned.
+  Status decode_greedy(const GreedyRequest& req, GreedyResult* result);
   // The KV store this runner's method owns (null for a program without this backend).
   const std::shared_ptr<KVStore>& store() const { return store_; }
 

@@ -184,7 +184,38 @@ PYBIND11_MODULE(_runtime, m) {
                                            py::bytearray(static_cast<const char*>(t.data), t.nbytes)));
             return result;
           },
-          py::arg("inputs"), "inputs: (data_ptr, sizes, dtype) of dense host tensors; returns (dtype, sizes, bytearray).");
+          py::arg("inputs"), "inputs: (data_ptr, sizes, dtype) of dense host tensors; returns (dtype, sizes, bytearray).")
+      .def(
+          "decode_greedy",
+          [](HostRunner& r, const std::vector<std::tuple<uintptr_t, std::vector<int64_t>, std::string>>& inputs,
+             size_t token_input, size_t position_input, size_t steps, const std::vector<int64_t>& stop_ids,
+             size_t logits_output) {
+            GreedyRequest req;
+            for (const auto& [ptr, sizes, dtype] : inputs) {
+              HostTensor t;
+              t.data = reinterpret_cast<const void*>(ptr);
+              t.sizes = sizes;
+              t.dtype = dtype;
+              req.inputs.push_back(std::move(t));
+            }
+            req.token_input = token_input;
+            req.position_input = position_input;
+            req.logits_output = logits_output;
+            req.steps = steps;
+            req.stop_ids = stop_ids;
+            GreedyResult result;
+            Status s;
+            {
+              py::gil_scoped_release unlocked;
+              s = r.decode_greedy(req, &result);
+            }
+            if (!s.ok()) throw std::runtime_error(s.message());
+            return py::make_tuple(result.tokens, result.step_ns);
+          },
+          py::arg("inputs"), py::arg("token_input"), py::arg("position_input"), py::arg("steps"),
+          py::arg("stop_ids") = std::vector<int64_t>{}, py::arg("logits_output") = 0,
+          "Greedy decode steps in a C++ loop (no Python per token): inputs as for run(), those of the first "
+          "one-token step; returns (tokens, host ns per step). A failed step raises; the steps before it stand.");
   m.def("last_error", &last_error,
         "The last message the delegate failed with on this thread ('' if none since clear_last_error).");
   m.def("clear_last_error", &clear_last_error);
