@@ -121,6 +121,41 @@ def load_configured(pte_path: Path, **policy: object) -> Session:
         return Session(pte_path)
 
 
+# The real checkpoint's exports (tests/test_real_checkpoint.py) take minutes
+# each: started when collection ends, beside the tests (background_exports.py).
+SMOLLM2_EXPORTS = [(f"smollm2_{storage}", ["--dtype", "fp32", "--storage-dtype", storage, "--initial-capacity", "64",
+                                          "--quiet"]) for storage in ("fp32", "bf16")]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any("smollm2_pte" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    import gguf_import
+
+    found = gguf_import.smollm2_gguf_path()
+    if found is None:
+        return  # the fixture fails, naming the missing wheel
+    from background_exports import BackgroundExports
+
+    session.config.stash[_BACKGROUND] = BackgroundExports(
+        [(name, ["--gguf", str(found), *argv]) for name, argv in SMOLLM2_EXPORTS])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    exports = session.config.stash.get(_BACKGROUND, None)
+    if exports is not None:
+        exports.close()
+
+
+_BACKGROUND = pytest.StashKey["object"]()
+
+
+@pytest.fixture(scope="session")
+def background_exports(request: pytest.FixtureRequest) -> object:
+    """The session's BackgroundExports (None when no selected test needs one)."""
+    return request.config.stash.get(_BACKGROUND, None)
+
+
 @pytest.fixture(scope="session")
 def model() -> Transformer:
     return toy_model()

@@ -6,9 +6,10 @@ through the offgraph-kv partitioner, and the .pte is loaded through
 greedily. The reference is transformers' own GGUF loader (its own
 dequantization and q/k un-permutation) and its own ``generate``.
 
-Each SmolLM2 export takes ~3 minutes on 2 cores, so the checkpoint is exported
-once per KV storage dtype per session and shared. A missing dependency or
-checkpoint fails: CI must really run this.
+Each SmolLM2 export takes minutes on 2 cores, so the checkpoint is exported once
+per KV storage dtype per session, beside the other tests from the start
+(conftest.SMOLLM2_EXPORTS), and shared. A missing dependency or checkpoint
+fails: CI must really run this.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import pytest
 import torch
@@ -51,21 +52,11 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_pte(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Callable[[str], Path]:
-    """export.py on the GGUF (fp32 weights), once per KV storage dtype."""
-    made: Dict[str, Path] = {}
-    root = tmp_path_factory.mktemp("smollm2")
-
-    def make(storage: str) -> Path:
-        if storage not in made:
-            out = root / f"smollm2_{storage}.pte"
-            rc = export.main(["--gguf", str(smollm2_gguf), "--out", str(out), "--dtype", "fp32",
-                              "--storage-dtype", storage, "--initial-capacity", "64", "--quiet"])
-            assert rc == 0
-            made[storage] = out
-        return made[storage]
-
-    return make
+def smollm2_pte(smollm2_gguf: Path, background_exports: Any) -> Callable[[str], Path]:
+    """export.py on the GGUF (fp32 weights), once per KV storage dtype: started when
+    the session started, beside the other tests (conftest.SMOLLM2_EXPORTS)."""
+    assert background_exports is not None, "conftest starts the SmolLM2 exports when a test needs them"
+    return lambda storage: background_exports.get(f"smollm2_{storage}")
 
 
 @pytest.fixture(scope="session")
