@@ -36,12 +36,16 @@ class LoadedCheckpoint:
     """A model with its weights, plus where they came from (for the export sidecar)."""
 
     model: Transformer
-    args: ModelArgs
     source: Dict[str, object]
     dtype: torch.dtype
     # Token ids that end generation according to the checkpoint's own config.
     stop_token_ids: List[int] = field(default_factory=list)
     bos_token_id: Optional[int] = None
+
+    @property
+    def args(self) -> ModelArgs:
+        """The model's shape (the model's own ``args``: one object, so a change shows in both)."""
+        return self.model.args
 
 
 def parse_dtype(name: "str | torch.dtype | None") -> Optional[torch.dtype]:
@@ -274,7 +278,6 @@ def load_meta(
     model, target = build_model(args, state, parse_dtype(dtype))
     return LoadedCheckpoint(
         model=model,
-        args=args,
         source={"format": "meta", "checkpoint": str(checkpoint.resolve()), "params": str(params_path.resolve())},
         dtype=target,
     )
@@ -505,7 +508,6 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     stops, bos = _hf_stop_tokens(directory, config)
     return LoadedCheckpoint(
         model=model,
-        args=args,
         source={"format": "hf", "dir": str(directory.resolve())},
         dtype=target,
         stop_token_ids=stops,

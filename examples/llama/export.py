@@ -170,7 +170,7 @@ def build_toy(a: argparse.Namespace) -> LoadedCheckpoint:
     dtype = parse_dtype(a.dtype) or torch.float32
     model = model.to(dtype)
     tok = ByteTokenizer()
-    return LoadedCheckpoint(model=model, args=args, source={"format": "deterministic", "seed": a.seed},
+    return LoadedCheckpoint(model=model, source={"format": "deterministic", "seed": a.seed},
                             dtype=dtype, stop_token_ids=tok.stop_ids(), bos_token_id=tok.bos_id)
 
 
@@ -256,7 +256,7 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
         tok_info = tokenizer_info(a, ck)
         quantized = quantize_model(ck.model, a.quantize, a.group_size)
     model, args = ck.model, ck.args
-    args.full_logits = model.args.full_logits = a.full_logits
+    args.full_logits = a.full_logits
     if a.max_write < 1:
         raise ValueError(f"--max-write must be >= 1, got {a.max_write}")
     example = example_inputs(min(4, a.max_write))

@@ -281,7 +281,6 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
     stops, bos = gguf_special_ids(f)
     return LoadedCheckpoint(
         model=model,
-        args=args,
         source={"format": "gguf", "path": str(f.path.resolve())},
         dtype=target,
         stop_token_ids=stops,

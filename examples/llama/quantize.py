@@ -69,42 +69,52 @@ def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: in
             "linears": len(linears), "torchao": importlib.metadata.version("torchao")}
 
 
-class Int8RowLinear(torch.nn.Module):
+class _BackendLinear(torch.nn.Module):
+    """A quantized linear computed by one of the backend's ops (``_product``), plus the float bias if any."""
+
+    def __init__(self, qdata: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qdata.shape
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8RowLinear(_BackendLinear):
     """A torchao int8 weight-only linear as ``offgraph_kv::int8_linear``: int8
     weights read as stored, one scale per output row applied to the dot
     products. The generic lowering of torchao's tensor dequantized every weight
     to floats on every step: SmolLM2 decoded at half fp32's speed."""
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        super().__init__()
-        self.out_features, self.in_features = qdata.shape
+        super().__init__(qdata, bias)
         self.register_buffer("qdata", qdata.contiguous())
         self.register_buffer("scale", scale.reshape(-1).contiguous())  # the activations' dtype, as ATen's GEMM needs
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.offgraph_kv.int8_linear(x, self.qdata, self.scale)
-        return y if self.bias is None else y + self.bias
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.offgraph_kv.int8_linear(x, self.qdata, self.scale)
 
 
-class Int4GroupLinear(torch.nn.Module):
+class Int4GroupLinear(_BackendLinear):
     """A torchao int4 group-wise linear as ``offgraph_kv::int4_linear``: the
     same values packed two per byte (``pack_int4``), a scale (and a zero point
     when torchao made a nonzero one) per group."""
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], group_size: int,
                  bias: Optional[torch.Tensor]) -> None:
-        super().__init__()
-        self.out_features, self.in_features = qdata.shape
+        super().__init__(qdata, bias)
         self.group_size = group_size
         self.register_buffer("packed", pack_int4(qdata, group_size))
         self.register_buffer("scale", scale.reshape(self.out_features, -1).contiguous())
         self.register_buffer("zero", None if zero is None else zero.reshape(self.out_features, -1).contiguous())
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.offgraph_kv.int4_linear(x, self.packed, self.scale, self.zero)
-        return y if self.bias is None else y + self.bias
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.offgraph_kv.int4_linear(x, self.packed, self.scale, self.zero)
 
 
 def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> None:
