@@ -84,8 +84,14 @@ def gpu_busy(step: Callable[[], None], steps: int, run_steps: Optional[Callable[
         cur_end = max(cur_end, end)
     working += cur_end - cur_start
     # (The gaps themselves are not reported: the profiler's own host work lengthens them.)
+    # The host's CUDA API calls per step (CUPTI sees the runtime's calls too): where the host turn goes.
+    api: Dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
+            api[e.name] = api.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
     return {"kernels_per_step": len(kernels) / steps, "gpu_busy_ms": busy_us / 1e3,
-            "device_working_ms": working / steps / 1e3}
+            "device_working_ms": working / steps / 1e3,
+            "host_cuda_api_us": {k: round(v, 1) for k, v in sorted(api.items(), key=lambda kv: -kv[1])[:8]}}
 
 
 def measure_offgraph(pte: Path, contexts: List[int], steps: int, vocab: int, graphs: bool) -> Dict[str, object]:
@@ -209,6 +215,8 @@ def targets(r: Dict[str, object]) -> List[str]:
         lines.append(f"{verdict(share >= 0.85)}  GPU working at {contexts[0]}, C++ decode loop (ExecuTorch's C++ "
                      f"runner's way, no Python between tokens): {c['device_working_ms']:.3f} of {c['median_ms']:.3f} "
                      f"ms = {100 * share:.0f} % (>= 85 %); kernels alone {100 * c['gpu_busy_ms'] / c['median_ms']:.0f} %")
+    if "host_cuda_api_us" in c:
+        lines.append(f"info  C++ loop, the host's CUDA calls per step (us): {c['host_cuda_api_us']}")
     if "device_working_ms" in g:
         share = g["device_working_ms"] / g["median_ms"]
         lines.append(f"{verdict(share >= 0.85)}  GPU working at {contexts[0]} (device timeline: kernels, copies and "
