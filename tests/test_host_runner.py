@@ -79,7 +79,10 @@ def test_cpp_greedy_loop_names_bad_requests_and_keeps_the_steps_before_a_failure
         host.decode_greedy([prompt(2), positions(10, 2)], steps=3)
     with pytest.raises(RuntimeError, match="token_input 0 and position_input 0 must be two of the 2 inputs"):
         host.decode_greedy([prompt(1), positions(10, 1)], steps=3, position_input=0)
+    with pytest.raises(RuntimeError, match="logits_output 1: the method has 1 outputs"):
+        host.decode_greedy([prompt(1), positions(10, 1)], steps=3, logits_output=1)
+    assert host.store.length == 10  # rejected before any step ran
     with pytest.raises(RuntimeError, match="executing 'forward' failed"):
-        host.decode_greedy([prompt(1), positions(10, 1)], steps=5)  # the third step is past max_capacity
+        host.decode_greedy([prompt(1), positions(10, 1)], steps=10**12)  # the third step is past max_capacity
     assert "beyond max_capacity 12" in capfd.readouterr().err
     assert host.store.length == 12

@@ -184,6 +184,17 @@ Status HostRunner::decode_greedy(const GreedyRequest& req, GreedyResult* result)
     return Status(Error::InvalidArgument, "position input " + std::to_string(req.position_input) +
                                               ": expected int64 positions, got " + std::to_string(pos_elements) + " " +
                                               pos.dtype + " values");
+  // The logits output is checked before any step runs: a bad request must not advance the cache.
+  auto meta = module_->method_meta(method_);
+  if (!meta.ok()) return Status(meta.error(), error_text(("reading method '" + method_ + "'").c_str(), meta.error()));
+  if (req.logits_output >= meta->num_outputs())
+    return Status(Error::InvalidArgument, "logits_output " + std::to_string(req.logits_output) + ": the method has " +
+                                              std::to_string(meta->num_outputs()) + " outputs");
+  auto out_meta = meta->output_tensor_meta(req.logits_output);
+  const ScalarType out_type = out_meta.ok() ? out_meta->scalar_type() : ScalarType::Undefined;
+  if (out_type != ScalarType::Float && out_type != ScalarType::BFloat16 && out_type != ScalarType::Half)
+    return Status(Error::InvalidArgument, "output " + std::to_string(req.logits_output) +
+                                              " is not floating-point logits (float32, bfloat16 or float16)");
   // The loop owns its token and positions; every other input stays the caller's.
   int64_t token = 0;
   std::memcpy(&token, tok.data, sizeof(token));
@@ -193,15 +204,11 @@ Status HostRunner::decode_greedy(const GreedyRequest& req, GreedyResult* result)
   inputs[req.token_input].data = &token;
   inputs[req.position_input].data = positions.data();
   std::vector<HostTensor> outputs;
-  result->tokens.reserve(req.steps);
-  result->step_ns.reserve(req.steps);
+  // (No reserve of `steps` entries: a request far past any capacity ends at its first failed step.)
   for (size_t step = 0; step < req.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     Status s = run(inputs, &outputs);
     if (!s.ok()) return s;
-    if (req.logits_output >= outputs.size())
-      return Status(Error::InvalidArgument, "logits_output " + std::to_string(req.logits_output) + ": the method has " +
-                                                std::to_string(outputs.size()) + " outputs");
     size_t next = 0;
     if (!argmax_last_row(outputs[req.logits_output], &next))
       return Status(Error::InvalidArgument, "output " + std::to_string(req.logits_output) +
