@@ -1,6 +1,7 @@
 #include "host_runner.h"
 
 #include <executorch/extension/tensor/tensor.h>
+#include <executorch/runtime/core/exec_aten/util/scalar_type_util.h>
 
 #include <chrono>
 #include <cstring>
@@ -60,27 +61,19 @@ size_t argmax_of(const T* data, size_t n) {
   return best;
 }
 
-bool argmax_last_row(const HostTensor& logits, size_t* index) {
-  if (logits.sizes.empty() || logits.sizes.back() <= 0) return false;
+// The argmax of the last row of `logits`, whose element type the method's metadata gave (checked before the loop).
+size_t argmax_last_row(const HostTensor& logits, ScalarType type) {
   const size_t vocab = size_t(logits.sizes.back());
-  const char* bytes = static_cast<const char*>(logits.data);
-  if (logits.dtype == "float32") {
-    const size_t rows = logits.nbytes / (vocab * sizeof(float));
-    *index = argmax_of(reinterpret_cast<const float*>(bytes) + (rows - 1) * vocab, vocab);
-    return rows > 0;
+  const size_t rows = logits.nbytes / (vocab * executorch::runtime::elementSize(type));
+  const size_t last = (rows - 1) * vocab;
+  switch (type) {
+    case ScalarType::BFloat16:
+      return argmax_of(static_cast<const executorch::aten::BFloat16*>(logits.data) + last, vocab);
+    case ScalarType::Half:
+      return argmax_of(static_cast<const executorch::aten::Half*>(logits.data) + last, vocab);
+    default:
+      return argmax_of(static_cast<const float*>(logits.data) + last, vocab);
   }
-  if (logits.dtype == "bfloat16" || logits.dtype == "float16") {
-    const size_t rows = logits.nbytes / (vocab * 2);
-    if (rows == 0) return false;
-    const uint16_t* last = reinterpret_cast<const uint16_t*>(bytes) + (rows - 1) * vocab;
-    if (logits.dtype == "bfloat16") {
-      *index = argmax_of(reinterpret_cast<const executorch::aten::BFloat16*>(last), vocab);
-    } else {
-      *index = argmax_of(reinterpret_cast<const executorch::aten::Half*>(last), vocab);
-    }
-    return true;
-  }
-  return false;
 }
 
 std::string error_text(const char* what, executorch::runtime::Error e) {
@@ -209,11 +202,10 @@ Status HostRunner::decode_greedy(const GreedyRequest& req, GreedyResult* result)
     const auto start = std::chrono::steady_clock::now();
     Status s = run(inputs, &outputs);
     if (!s.ok()) return s;
-    size_t next = 0;
-    if (!argmax_last_row(outputs[req.logits_output], &next))
-      return Status(Error::InvalidArgument, "output " + std::to_string(req.logits_output) +
-                                                " is not floating-point logits (" + outputs[req.logits_output].dtype + ")");
-    token = int64_t(next);
+    const HostTensor& logits = outputs[req.logits_output];
+    if (logits.sizes.empty() || logits.sizes.back() <= 0 || logits.nbytes == 0)
+      return Status(Error::InvalidArgument, "output " + std::to_string(req.logits_output) + " holds no logits");
+    token = int64_t(argmax_last_row(logits, out_type));
     for (int64_t& p : positions) ++p;
     result->tokens.push_back(token);
     result->step_ns.push_back(

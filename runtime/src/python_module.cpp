@@ -75,6 +75,22 @@ executorch::runtime::BackendOption make_text(const char* key, const std::string&
   return o;
 }
 
+// A dense host tensor as Python hands it over: (data_ptr, sizes, dtype name).
+using HostInput = std::tuple<uintptr_t, std::vector<int64_t>, std::string>;
+
+std::vector<HostTensor> host_tensors(const std::vector<HostInput>& inputs) {
+  std::vector<HostTensor> out;
+  out.reserve(inputs.size());
+  for (const auto& [ptr, sizes, dtype] : inputs) {
+    HostTensor t;
+    t.data = reinterpret_cast<const void*>(ptr);
+    t.sizes = sizes;
+    t.dtype = dtype;
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_runtime, m) {
@@ -162,15 +178,8 @@ PYBIND11_MODULE(_runtime, m) {
       .def_property_readonly("store", &HostRunner::store, "The KV store this method owns (None without this backend).")
       .def(
           "run",
-          [](HostRunner& r, const std::vector<std::tuple<uintptr_t, std::vector<int64_t>, std::string>>& inputs) {
-            std::vector<HostTensor> in;
-            for (const auto& [ptr, sizes, dtype] : inputs) {
-              HostTensor t;
-              t.data = reinterpret_cast<const void*>(ptr);
-              t.sizes = sizes;
-              t.dtype = dtype;
-              in.push_back(std::move(t));
-            }
+          [](HostRunner& r, const std::vector<HostInput>& inputs) {
+            std::vector<HostTensor> in = host_tensors(inputs);
             std::vector<HostTensor> out;
             Status s;
             {
@@ -187,17 +196,10 @@ PYBIND11_MODULE(_runtime, m) {
           py::arg("inputs"), "inputs: (data_ptr, sizes, dtype) of dense host tensors; returns (dtype, sizes, bytearray).")
       .def(
           "decode_greedy",
-          [](HostRunner& r, const std::vector<std::tuple<uintptr_t, std::vector<int64_t>, std::string>>& inputs,
-             size_t token_input, size_t position_input, size_t steps, const std::vector<int64_t>& stop_ids,
-             size_t logits_output) {
+          [](HostRunner& r, const std::vector<HostInput>& inputs, size_t token_input, size_t position_input,
+             size_t steps, const std::vector<int64_t>& stop_ids, size_t logits_output) {
             GreedyRequest req;
-            for (const auto& [ptr, sizes, dtype] : inputs) {
-              HostTensor t;
-              t.data = reinterpret_cast<const void*>(ptr);
-              t.sizes = sizes;
-              t.dtype = dtype;
-              req.inputs.push_back(std::move(t));
-            }
+            req.inputs = host_tensors(inputs);
             req.token_input = token_input;
             req.position_input = position_input;
             req.logits_output = logits_output;
