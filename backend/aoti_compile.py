@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
@@ -87,7 +88,9 @@ def embed_each_kernel_in_its_own_object() -> None:
         return
 
     def convert_own_copy(cubin_file: str, kernel_name: str, *args, **kwargs) -> str:  # noqa: ANN002, ANN003
-        own = f"{cubin_file}.{kernel_name}.cubin"
+        # Named by a digest of the kernel's name: inductor's descriptive names of fused kernels run past
+        # the file system's 255 bytes (an fp32 ring layer's attention: "File name too long").
+        own = f"{cubin_file}.{hashlib.sha256(kernel_name.encode()).hexdigest()[:20]}.cubin"
         shutil.copyfile(cubin_file, own)
         return convert(own, kernel_name, *args, **kwargs)
 

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_memory.h"
@@ -55,6 +56,53 @@ std::shared_ptr<CudaStream> shared_execution_stream(Status* status) {
   return stream;
 }
 
+// Page-locked host memory, freed on destruction: copies from and to it are
+// truly asynchronous, and a graph capture may record them (a copy from
+// pageable memory is a synchronous staging the driver will not capture).
+class PinnedHost {
+ public:
+  PinnedHost() = default;
+  PinnedHost(const PinnedHost&) = delete;
+  PinnedHost& operator=(const PinnedHost&) = delete;
+  PinnedHost(PinnedHost&& other) noexcept { *this = std::move(other); }
+  PinnedHost& operator=(PinnedHost&& other) noexcept {
+    if (this != &other) {
+      reset();
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
+  ~PinnedHost() { reset(); }
+  // Empty (data() == nullptr) when the allocation fails.
+  static PinnedHost allocate(size_t bytes) {
+    PinnedHost p;
+    if (bytes > 0 && cudaMallocHost(&p.data_, bytes) == cudaSuccess) p.bytes_ = bytes;
+    else p.data_ = nullptr;
+    return p;
+  }
+  void reset() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// An input of captured steps: fixed device memory and the pinned host memory
+// its upload reads, allocated together so that both move only together.
+struct FixedInput {
+  Buffer device;
+  PinnedHost host;
+  size_t bytes = 0;      // staged this step
+  bool pending = false;  // staged since the last finish()
+};
+
 class CudaStepIO final : public StepIO {
  public:
   static std::unique_ptr<CudaStepIO> create(CopyMode copies, Status* status) {
@@ -74,23 +122,20 @@ class CudaStepIO final : public StepIO {
     io->memory_ = cuda_kv_memory(stream, copies, status);
     if (!io->memory_) return nullptr;
     io->staging_ = cuda_stream_memory(stream, copies);
-    // Pinned, so the per-step length upload is a true async copy.
-    cudaError_t e = cudaMallocHost(reinterpret_cast<void**>(&io->length_host_), sizeof(int64_t));
-    if (e != cudaSuccess) {
-      *status = Status(Error::MemoryAllocationFailed, cuda_error("cudaMallocHost", e));
+    // Pinned, so the per-step length upload is a true async copy (and capturable).
+    io->length_host_ = PinnedHost::allocate(sizeof(int64_t));
+    io->length_device_ = allocate_buffer(io->staging_, sizeof(int64_t));
+    if (io->length_host_.data() == nullptr || io->length_device_.data() == nullptr) {
+      *status = Status(Error::MemoryAllocationFailed, "cannot allocate the length's host and device words");
       return nullptr;
     }
-    io->length_device_ = allocate_buffer(io->staging_, sizeof(int64_t));
     *status = Status::ok_status();
     return io;
   }
 
   ~CudaStepIO() override {
-    staged_.clear();
-    fixed_.clear();
-    length_device_.reset();
-    if (staging_ != nullptr) staging_->synchronize();  // the pinned length upload is done
-    if (length_host_ != nullptr) cudaFreeHost(length_host_);
+    // Nothing queued may still read or write the pinned memory freed below.
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   }
 
   Status stage_input(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) override {
@@ -98,16 +143,47 @@ class CudaStepIO final : public StepIO {
   }
 
   Status stage_input_fixed(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) override {
-    return stage_into(fixed_, index, t, d);
+    settle();
+    if (fixed_.size() <= index) fixed_.resize(index + 1);
+    FixedInput& f = fixed_[index];
+    const size_t bytes = t.nbytes();
+    if (f.device.bytes() < bytes || f.device.data() == nullptr) {
+      const size_t room = bytes < 256 ? 256 : bytes;  // width-1 steps: the extent never changes
+      f.device = allocate_buffer(staging_, room);
+      f.host = PinnedHost::allocate(room);
+      if (f.device.data() == nullptr || f.host.data() == nullptr)
+        return Status(Error::MemoryAllocationFailed, "cannot stage input " + std::to_string(index) + " for captured steps");
+    }
+    if (bytes > 0) std::memcpy(f.host.data(), t.const_data_ptr(), bytes);
+    f.bytes = bytes;
+    f.pending = true;
+    describe_tensor(t, f.device.data(), d);
+    return Status::ok_status();
   }
 
   Status stage_length(int64_t length, TensorDesc* d) override {
-    // The previous step's upload has completed: finish() synchronised.
-    *length_host_ = length;
-    const cudaError_t e =
-        cudaMemcpyAsync(length_device_.data(), length_host_, sizeof(int64_t), cudaMemcpyHostToDevice, stream_);
-    if (e != cudaSuccess) return Status(Error::Internal, cuda_error("length upload", e));
+    settle();
+    *static_cast<int64_t*>(length_host_.data()) = length;
+    length_pending_ = true;
     describe_length(length_device_.data(), d);
+    return Status::ok_status();
+  }
+
+  Status upload() override {
+    // Pending flags stay until finish(): a capture records these copies without
+    // running them, and a step that falls back from a failed capture uploads again.
+    if (length_pending_) {
+      const cudaError_t e = cudaMemcpyAsync(length_device_.data(), length_host_.data(), sizeof(int64_t),
+                                            cudaMemcpyHostToDevice, stream_);
+      if (e != cudaSuccess) return Status(Error::Internal, cuda_error("length upload", e));
+    }
+    for (size_t i = 0; i < fixed_.size(); ++i) {
+      const FixedInput& f = fixed_[i];
+      if (!f.pending || f.bytes == 0) continue;
+      const cudaError_t e = cudaMemcpyAsync(f.device.data(), f.host.data(), f.bytes, cudaMemcpyHostToDevice, stream_);
+      if (e != cudaSuccess) return Status(Error::Internal, cuda_error(("input " + std::to_string(i) + " upload").c_str(), e));
+    }
+    in_flight_ = true;
     return Status::ok_status();
   }
 
@@ -116,8 +192,41 @@ class CudaStepIO final : public StepIO {
     return e == cudaSuccess ? Status::ok_status() : Status(Error::Internal, cuda_error("output copy", e));
   }
 
+  Status reserve_fixed_outputs(const std::vector<size_t>& bytes) override {
+    settle();
+    if (fixed_outputs_.size() < bytes.size()) fixed_outputs_.resize(bytes.size());
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      if (fixed_outputs_[i].bytes() >= bytes[i] && (bytes[i] == 0 || fixed_outputs_[i].data() != nullptr)) continue;
+      fixed_outputs_[i] = PinnedHost::allocate(bytes[i]);
+      if (bytes[i] > 0 && fixed_outputs_[i].data() == nullptr)
+        return Status(Error::MemoryAllocationFailed, "cannot allocate pinned host memory for output " + std::to_string(i));
+    }
+    return Status::ok_status();
+  }
+
+  Status download_fixed(size_t index, const OutputView& out, size_t bytes) override {
+    if (bytes == 0) return Status::ok_status();
+    if (index >= fixed_outputs_.size() || fixed_outputs_[index].bytes() < bytes)
+      return Status(Error::InvalidState, "output " + std::to_string(index) + " of the captured step needs " +
+                                             std::to_string(bytes) + " bytes, more than the first decode step's");
+    const cudaError_t e =
+        cudaMemcpyAsync(fixed_outputs_[index].data(), out.data, bytes, cudaMemcpyDeviceToHost, stream_);
+    return e == cudaSuccess ? Status::ok_status() : Status(Error::Internal, cuda_error("output download", e));
+  }
+
+  Status read_fixed(size_t index, void* host, size_t bytes) override {
+    if (bytes == 0) return Status::ok_status();
+    if (index >= fixed_outputs_.size() || fixed_outputs_[index].bytes() < bytes)
+      return Status(Error::InvalidState, "output " + std::to_string(index) + " was not downloaded by the captured step");
+    std::memcpy(host, fixed_outputs_[index].data(), bytes);
+    return Status::ok_status();
+  }
+
   Status finish() override {
     const cudaError_t e = cudaStreamSynchronize(stream_);
+    in_flight_ = false;
+    length_pending_ = false;
+    for (FixedInput& f : fixed_) f.pending = false;
     return e == cudaSuccess ? Status::ok_status() : Status(Error::Internal, cuda_error("step", e));
   }
 
@@ -145,13 +254,22 @@ class CudaStepIO final : public StepIO {
     return Status::ok_status();
   }
 
+  // A step that failed before finish() may have left copies from the pinned
+  // memory queued: wait for them before that memory is written again.
+  void settle() {
+    if (in_flight_) finish();
+  }
+
   cudaStream_t stream_ = nullptr;  // the shared execution stream, kept alive by the memories
-  int64_t* length_host_ = nullptr;
   std::shared_ptr<DeviceMemory> memory_;   // KV storage: its own pool
   std::shared_ptr<DeviceMemory> staging_;  // inputs and the length: the default pool
+  PinnedHost length_host_;
   Buffer length_device_;
+  bool length_pending_ = false;
+  bool in_flight_ = false;  // copies from pinned memory queued since the last finish()
   std::vector<Buffer> staged_;
-  std::vector<Buffer> fixed_;  // inputs of captured steps (stage_input_fixed)
+  std::vector<FixedInput> fixed_;         // inputs of captured steps (stage_input_fixed)
+  std::vector<PinnedHost> fixed_outputs_;  // where captured steps leave their outputs
   std::shared_mutex* turns_ = nullptr;
 };
 

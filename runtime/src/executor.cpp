@@ -1,5 +1,6 @@
 #include "executor.h"
 
+#include <executorch/runtime/core/exec_aten/util/scalar_type_util.h>
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/platform/log.h>
 
@@ -40,7 +41,9 @@ class StepGuard {
   bool committed_ = false;
 };
 
-Status copy_output(StepIO& io, size_t index, const OutputView& out, EValue* value) {
+// Resize output `index` to the compiled shape, then `fetch(host, bytes)` its values into it.
+template <typename Fetch>
+Status copy_output(size_t index, const OutputView& out, EValue* value, Fetch fetch) {
   if (!value->isTensor()) return Status(Error::InvalidArgument, "output " + std::to_string(index) + " is not a tensor");
   Tensor t = value->toTensor();
   if (static_cast<int32_t>(t.scalar_type()) != out.dtype)
@@ -50,7 +53,14 @@ Status copy_output(StepIO& io, size_t index, const OutputView& out, EValue* valu
   std::vector<SizesType> sizes(out.sizes.begin(), out.sizes.end());
   if (executorch::runtime::resize_tensor(t, {sizes.data(), sizes.size()}) != Error::Ok)
     return Status(Error::InvalidArgument, "output " + std::to_string(index) + " cannot take the compiled shape");
-  return io.fetch_output(out, t.mutable_data_ptr(), t.nbytes());
+  return fetch(t.mutable_data_ptr(), t.nbytes());
+}
+
+// Bytes of a dense compiled output.
+size_t output_bytes(const OutputView& out) {
+  size_t n = executorch::runtime::elementSize(static_cast<executorch::aten::ScalarType>(out.dtype));
+  for (int64_t d : out.sizes) n *= d < 0 ? 0 : size_t(d);
+  return n;
 }
 
 std::unique_ptr<StepIO> io_for(DeviceKind device, Status* status) {
@@ -153,35 +163,46 @@ Status StepExecutor::run_prepared(Span<EValue*> args, size_t width, int64_t* run
   // own count), never left to the process: see StepThreads::Scope.
   StepThreads::Scope threads(*threads_, num_threads_ ? num_threads_ : threads_->automatic(width));
   const int64_t start = now_ns();
-  s = captured ? run_captured(args, turn) : run_uncaptured(args);
+  s = captured ? run_captured(args, turn) : run_uncaptured(args, false);
   *run_ns = now_ns() - start;
   return s;
 }
 
-Status StepExecutor::run_uncaptured(Span<EValue*> args) {
+Status StepExecutor::run_uncaptured(Span<EValue*> args, bool decode) {
+  Status s = io_->upload();
+  if (!s.ok()) return s;
   const size_t first_output = manifest_.num_user_inputs;
+  if (decode) decode_output_bytes_.assign(manifest_.num_outputs, 0);
   return program_->run(
       inputs_, io_->stream(),
-      [&](size_t i, const OutputView& out) { return copy_output(*io_, i, out, args[first_output + i]); },
+      [&](size_t i, const OutputView& out) {
+        return copy_output(i, out, args[first_output + i], [&](void* host, size_t bytes) {
+          if (decode && i < decode_output_bytes_.size()) decode_output_bytes_[i] = bytes;
+          return io_->fetch_output(out, host, bytes);
+        });
+      },
       [&]() { return io_->finish(); });
 }
 
 Status StepExecutor::run_captured(Span<EValue*> args, std::shared_lock<std::shared_mutex>* turn) {
   if (!graph_ || inputs_ != captured_inputs_) {
-    if (decode_steps_seen_++ == 0) return run_uncaptured(args);
+    if (decode_steps_seen_++ == 0) return run_uncaptured(args, true);
     const Status c = capture(turn);
     if (!c.ok()) {
       ET_LOG(Info, "OffGraphKVBackend: decode steps of this method run uncaptured from now on: %s",
              c.message().c_str());
       graphs_ = false;
-      return run_uncaptured(args);  // the bindings above are right for it too
+      return run_uncaptured(args, true);  // the bindings above are right for it too
     }
   }
+  // The graph uploads the staged inputs and the length, runs the code and
+  // downloads the outputs: one launch and one wait per token.
   Status s = graph_->replay(io_->stream());
-  for (size_t i = 0; s.ok() && i < graph_outputs_.size(); ++i)
-    s = copy_output(*io_, i, graph_outputs_[i], args[manifest_.num_user_inputs + i]);
   const Status settled = io_->finish();
   if (s.ok()) s = settled;
+  for (size_t i = 0; s.ok() && i < graph_outputs_.size(); ++i)
+    s = copy_output(i, graph_outputs_[i], args[manifest_.num_user_inputs + i],
+                    [&](void* host, size_t bytes) { return io_->read_fixed(i, host, bytes); });
   if (s.ok()) store_->record_graph_replay();
   return s;
 }
@@ -189,11 +210,19 @@ Status StepExecutor::run_captured(Span<EValue*> args, std::shared_lock<std::shar
 Status StepExecutor::capture(std::shared_lock<std::shared_mutex>* turn) {
   Status s;
   if (!graph_ && !(graph_ = make_step_graph(&s))) return s;
+  // Host memory for the outputs, sized by the first (uncaptured) decode step: a capture may not allocate it.
+  if (!(s = io_->reserve_fixed_outputs(decode_output_bytes_)).ok()) return s;
   // A capture records everything enqueued on its stream: no other step may enqueue meanwhile.
   turn->unlock();
   {
     std::unique_lock<std::shared_mutex> alone(*io_->turns());
-    s = graph_->capture(io_->stream(), [&]() { return program_->launch(inputs_, io_->stream(), &graph_outputs_); });
+    s = graph_->capture(io_->stream(), [&]() {
+      Status c = io_->upload();
+      if (c.ok()) c = program_->launch(inputs_, io_->stream(), &graph_outputs_);
+      for (size_t i = 0; c.ok() && i < graph_outputs_.size(); ++i)
+        c = io_->download_fixed(i, graph_outputs_[i], output_bytes(graph_outputs_[i]));
+      return c;
+    });
   }
   turn->lock();
   if (!s.ok()) {

@@ -53,7 +53,8 @@ class StepExecutor {
   // (`run_ns`: the compiled code's share, for host-time accounting).
   Status run_prepared(executorch::runtime::Span<executorch::runtime::EValue*> args, size_t width, int64_t* run_ns,
                       std::shared_lock<std::shared_mutex>* turn);
-  Status run_uncaptured(executorch::runtime::Span<executorch::runtime::EValue*> args);
+  // `decode`: a width-1 step, whose output sizes a capture then reserves host memory for.
+  Status run_uncaptured(executorch::runtime::Span<executorch::runtime::EValue*> args, bool decode);
   // A decode step through the graph: capture when needed, replay, copy the outputs out.
   Status run_captured(executorch::runtime::Span<executorch::runtime::EValue*> args,
                       std::shared_lock<std::shared_mutex>* turn);
@@ -74,6 +75,7 @@ class StepExecutor {
   std::unique_ptr<StepGraph> graph_;
   std::vector<TensorDesc> captured_inputs_;  // what graph_ was captured over
   std::vector<OutputView> graph_outputs_;    // where its replays leave the outputs
+  std::vector<size_t> decode_output_bytes_;  // each output's bytes in the first decode step
 };
 
 }  // namespace offgraph_kv

@@ -118,26 +118,30 @@ std::unique_ptr<HostRunner> HostRunner::new_session(Status* status) const {
   return runner;
 }
 
-Status HostRunner::run(const std::vector<HostTensor>& inputs, std::vector<HostTensor>* outputs) {
+Status HostRunner::wrap_inputs(const std::vector<HostTensor>& inputs, WrappedInputs* wrapped) {
   // Module::execute keeps the previous call's value of any input not given; refuse instead.
   auto meta = module_->method_meta(method_);
   if (!meta.ok()) return Status(meta.error(), error_text(("reading method '" + method_ + "'").c_str(), meta.error()));
   if (inputs.size() != meta->num_inputs())
     return Status(Error::InvalidArgument, "method '" + method_ + "' takes " + std::to_string(meta->num_inputs()) +
                                               " inputs, got " + std::to_string(inputs.size()));
-  std::vector<executorch::extension::TensorPtr> owned;  // alive until execute returns
-  std::vector<EValue> values;
-  owned.reserve(inputs.size());
+  wrapped->owned.clear();
+  wrapped->values.clear();
+  wrapped->owned.reserve(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) {
     const HostTensor& in = inputs[i];
     ScalarType type;
     if (!scalar_type_of(in.dtype, &type))
       return Status(Error::InvalidArgument, "input " + std::to_string(i) + ": unsupported dtype '" + in.dtype + "'");
     std::vector<executorch::aten::SizesType> sizes(in.sizes.begin(), in.sizes.end());
-    owned.push_back(executorch::extension::from_blob(const_cast<void*>(in.data), std::move(sizes), type));
-    values.emplace_back(*owned.back());
+    wrapped->owned.push_back(executorch::extension::from_blob(const_cast<void*>(in.data), std::move(sizes), type));
+    wrapped->values.emplace_back(*wrapped->owned.back());
   }
-  auto result = module_->execute(method_, values);
+  return Status::ok_status();
+}
+
+Status HostRunner::execute_wrapped(const WrappedInputs& wrapped, std::vector<HostTensor>* outputs) {
+  auto result = module_->execute(method_, wrapped.values);
   if (!result.ok()) return Status(result.error(), error_text(("executing '" + method_ + "'").c_str(), result.error()));
   last_outputs_ = std::move(result.get());
   outputs->clear();
@@ -156,6 +160,12 @@ Status HostRunner::run(const std::vector<HostTensor>& inputs, std::vector<HostTe
     outputs->push_back(std::move(out));
   }
   return Status::ok_status();
+}
+
+Status HostRunner::run(const std::vector<HostTensor>& inputs, std::vector<HostTensor>* outputs) {
+  WrappedInputs wrapped;  // alive until execute returns
+  Status s = wrap_inputs(inputs, &wrapped);
+  return s.ok() ? execute_wrapped(wrapped, outputs) : s;
 }
 
 Status HostRunner::decode_greedy(const GreedyRequest& req, GreedyResult* result) {
@@ -196,11 +206,15 @@ Status HostRunner::decode_greedy(const GreedyRequest& req, GreedyResult* result)
   std::vector<HostTensor> inputs = req.inputs;
   inputs[req.token_input].data = &token;
   inputs[req.position_input].data = positions.data();
+  // Wrapped once: every step reads the token and positions where the loop updates them.
+  WrappedInputs wrapped;
+  Status wrap = wrap_inputs(inputs, &wrapped);
+  if (!wrap.ok()) return wrap;
   std::vector<HostTensor> outputs;
   // (No reserve of `steps` entries: a request far past any capacity ends at its first failed step.)
   for (size_t step = 0; step < req.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
-    Status s = run(inputs, &outputs);
+    Status s = execute_wrapped(wrapped, &outputs);
     if (!s.ok()) return s;
     const HostTensor& logits = outputs[req.logits_output];
     if (logits.sizes.empty() || logits.sizes.back() <= 0 || logits.nbytes == 0)

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor_ptr.h>
 
 #include <cstdint>
 #include <memory>
@@ -65,6 +66,13 @@ class HostRunner {
   HostRunner(std::shared_ptr<executorch::extension::module::Module> module, std::string method,
              std::shared_ptr<executorch::extension::module::Module> origin);
   Status load_method();
+  // Host buffers as the method's input values (the buffers are not copied: they must outlive the values).
+  struct WrappedInputs {
+    std::vector<executorch::extension::TensorPtr> owned;
+    std::vector<executorch::runtime::EValue> values;
+  };
+  Status wrap_inputs(const std::vector<HostTensor>& inputs, WrappedInputs* wrapped);
+  Status execute_wrapped(const WrappedInputs& wrapped, std::vector<HostTensor>* outputs);
   std::shared_ptr<executorch::extension::module::Module> module_;
   // The Module that loaded the Program owns its data loader, which the Program
   // reads through for as long as it lives: every session keeps it alive.

@@ -19,16 +19,22 @@ class HostStepIO final : public StepIO {
     describe_length(&length_, d);
     return Status::ok_status();
   }
+  Status upload() override { return Status::ok_status(); }  // the code reads the host memory itself
   Status fetch_output(const OutputView& out, void* host, size_t bytes) override {
     std::memcpy(host, out.data, bytes);
     return Status::ok_status();
   }
+  // Host steps are never captured (step_graph.h is CUDA's).
+  Status reserve_fixed_outputs(const std::vector<size_t>&) override { return not_captured(); }
+  Status download_fixed(size_t, const OutputView&, size_t) override { return not_captured(); }
+  Status read_fixed(size_t, void*, size_t) override { return not_captured(); }
   Status finish() override { return Status::ok_status(); }
   void* stream() override { return nullptr; }
   std::shared_ptr<DeviceMemory> memory() override { return host_memory(); }
   std::shared_mutex* turns() override { return nullptr; }
 
  private:
+  static Status not_captured() { return Status(Error::NotSupported, "host steps are not captured"); }
   int64_t length_ = 0;
 };
 

@@ -11,6 +11,7 @@
 #include <shared_mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "compiled_program.h"
 #include "copy_mode.h"
@@ -25,12 +26,23 @@ class StepIO {
   // Describe (and, off the host, copy) input `index` for the compiled code.
   virtual Status stage_input(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) = 0;
   // The same into memory kept for captured steps (step_graph.h): its address
-  // changes only when the input outgrows it, never because another step was wider.
+  // changes only when the input outgrows it, never because another step was
+  // wider. Off the host only the host side is written: upload() copies it.
   virtual Status stage_input_fixed(size_t index, const executorch::aten::Tensor& t, TensorDesc* d) = 0;
-  // Describe the committed length (int64 [1]) rings read.
+  // Describe the committed length (int64 [1]) rings read; upload() copies it.
   virtual Status stage_length(int64_t length, TensorDesc* d) = 0;
+  // Enqueue the copies of what stage_input_fixed and stage_length wrote since
+  // the last upload. Captured inside a graph, these copies are part of every
+  // replay: a replayed step is one launch and one wait, not a call per input.
+  virtual Status upload() = 0;
   // Copy a compiled output into host memory of `bytes` bytes.
   virtual Status fetch_output(const OutputView& out, void* host, size_t bytes) = 0;
+  // Captured steps' outputs: reserve_fixed_outputs (before a capture, which
+  // may not allocate) sizes host memory for them, download_fixed (inside the
+  // capture) enqueues the copy there, read_fixed (after finish) hands it on.
+  virtual Status reserve_fixed_outputs(const std::vector<size_t>& bytes) = 0;
+  virtual Status download_fixed(size_t index, const OutputView& out, size_t bytes) = 0;
+  virtual Status read_fixed(size_t index, void* host, size_t bytes) = 0;
   // Wait for the step's outputs to be on the host.
   virtual Status finish() = 0;
   virtual void* stream() = 0;
