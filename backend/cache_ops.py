@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import List
 
 import torch
@@ -101,7 +101,14 @@ def read_site(node: fx.Node) -> CacheOpSite:
 
 
 def find_sites(graph: fx.Graph) -> List[CacheOpSite]:
-    """Every cache op in graph order, checked; layer ids must be unique and dense."""
+    """Every cache op, checked, in layer order; layer ids must be unique.
+
+    Ids need not be dense: a hybrid model whose attention sits in blocks 0, 2
+    and 5 may pass the block index, as ExecuTorch's reference cache allows. The
+    cache layers are then numbered by their ids' order (0, 1, 2): the ops'
+    ``layer_id`` arguments are rewritten to that number, which is what the
+    manifest, the compiled program's inputs and per-layer policies count.
+    """
     sites = [read_site(n) for n in graph.nodes if is_cache_op(n)]
     seen = {}
     for s in sites:
@@ -110,7 +117,14 @@ def find_sites(graph: fx.Graph) -> List[CacheOpSite]:
                 f"{s.node.name}: layer_id {s.layer_id} is also used by {seen[s.layer_id].name}; each layer needs its own cache"
             )
         seen[s.layer_id] = s.node
-    ids = sorted(seen)
-    if ids and ids != list(range(len(ids))):
-        raise LoweringError(f"layer ids must be 0..{len(ids) - 1}, got {ids}")
-    return sorted(sites, key=lambda s: s.layer_id)
+    if any(lid < 0 for lid in seen):
+        raise LoweringError(f"layer ids must be non-negative, got {sorted(seen)}")
+    rank = {lid: i for i, lid in enumerate(sorted(seen))}
+    dense = []
+    for s in sites:
+        i = rank[s.layer_id]
+        if i != s.layer_id:
+            s.node.args = s.node.args[:4] + (i,) + s.node.args[5:]
+            s = replace(s, layer_id=i)
+        dense.append(s)
+    return sorted(dense, key=lambda s: s.layer_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Tuple
 
@@ -82,13 +83,17 @@ def check_growth_policy(initial_capacity: "int | None" = None, max_capacity: "in
     the field. Capacities must be below ``capacity_limit`` (load-time overrides
     travel as ExecuTorch backend options, which hold an int). The runtime checks
     the same in ``GrowthPolicy::validate``."""
+    for name, value in (("initial_capacity", initial_capacity), ("max_capacity", max_capacity),
+                        ("rewind_budget", rewind_budget)):
+        if value is not None and (isinstance(value, bool) or int(value) != value):
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
     for name, value in (("initial_capacity", initial_capacity), ("max_capacity", max_capacity)):
         if value is not None and not 1 <= int(value) < capacity_limit:
             raise ValueError(f"{name} must be in [1, {capacity_limit}), got {value}")
     if initial_capacity is not None and max_capacity is not None and int(initial_capacity) > int(max_capacity):
         raise ValueError(f"initial_capacity {initial_capacity} must be in [1, max_capacity={max_capacity}]")
-    if growth_factor is not None and not float(growth_factor) > 1.0:
-        raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+    if growth_factor is not None and not (float(growth_factor) > 1.0 and math.isfinite(float(growth_factor))):
+        raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor}")
     if rewind_budget is not None and not 0 <= int(rewind_budget) < 2**24:
         raise ValueError(f"rewind_budget must be in [0, 2**24), got {rewind_budget}")
 

@@ -26,7 +26,7 @@ from zoo import (CosSinInputs, Entry, ExtraInputs, FlatPositions, LayerShape, Pe
 
 MAX_WRITE = 8
 FLAT, RING = LayerPolicy.flat(), LayerPolicy.ring(5)
-MIXED = ZooConfig(layers=(LayerShape(4, 2, 12), LayerShape(6, 3, 8), LayerShape(2, 1, 16)))
+MIXED = ZooConfig(layers=(LayerShape(4, 2, 12), LayerShape(6, 3, 8), LayerShape(2, 1, 16)), layer_id_stride=2)
 
 ZOO: List[Entry] = [
     Entry("pos_first", PosFirst, ZooConfig(), ("pos", "tokens"),
@@ -45,7 +45,8 @@ ZOO: List[Entry] = [
           what="tied embeddings, one fused QKV linear (with bias) split in three, 1-D positions [T]; ring layers, bf16 KV"),
     Entry("heterogeneous_layers_row_positions", RowPositions, MIXED, ("tokens", "pos"), positions="row",
           layers=(FLAT, RING, FLAT),
-          what="layers with different query/KV heads and head dims; HF-style [1, T] position ids"),
+          what="layers with different query/KV heads and head dims; HF-style [1, T] position ids; "
+               "layer ids 0, 2, 4 (not dense), one policy per cache layer in id order"),
     Entry("value_head_dim_of_its_own_fused_qkv", PosFirst,
           ZooConfig(layers=(LayerShape(4, 2, 12, v_head_dim=8),) * 2, fused_qkv=True), ("pos", "tokens"),
           what="values with their own head dim (8, keys 12, as MLA-style attention has) out of a fused QKV"),

@@ -300,3 +300,18 @@ def test_two_weight_sources_are_refused(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         export.parse_args(["--out", "x.pte", "--tiny", "--gguf", "m.gguf"])
     assert "not --gguf and --tiny" in capsys.readouterr().err
+
+
+def test_a_truncated_or_absurdly_counted_gguf_is_refused_clearly(tmp_path: Path) -> None:
+    good = write_gguf(tmp_path / "good.gguf", small_model()).read_bytes()
+    damaged = {
+        "four bytes": good[:4],
+        "header only": good[:24],
+        "tensor count 2**64-1": good[:8] + (2**64 - 1).to_bytes(8, "little") + good[16:],
+        "metadata count 2**64-1": good[:16] + (2**64 - 1).to_bytes(8, "little") + good[24:],
+    }
+    for name, blob in damaged.items():
+        path = tmp_path / f"{name.replace(' ', '_')}.gguf"
+        path.write_bytes(blob)
+        with pytest.raises(ValueError, match="not a readable GGUF file"):
+            gguf_import.load_gguf(path)

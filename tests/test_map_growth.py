@@ -74,3 +74,18 @@ def test_default_growth_on_the_cpu_is_map(pte_factory):
     session = Session(pte_factory(storage_dtype=torch.float32, initial_capacity=INITIAL))
     m = session.store.metrics()
     assert m["growth"] == "map" and m["growth_note"] == ""
+
+
+def test_configure_refuses_infinite_growth_factors_and_fractional_capacities() -> None:
+    before = offgraph_kv.runtime.options()
+    for kwargs, message in (({"growth_factor": float("inf")}, "growth_factor must be a finite number > 1"),
+                            ({"growth_factor": float("nan")}, "growth_factor must be a finite number > 1"),
+                            ({"initial_capacity": 1.7}, "initial_capacity must be a whole number"),
+                            ({"rewind_budget": 2.5}, "rewind_budget must be a whole number")):
+        with pytest.raises(ValueError, match=message):
+            offgraph_kv.runtime.configure(**kwargs)
+        assert offgraph_kv.runtime.options() == before  # nothing applied
+    # The C++ side refuses them without the Python check (runtime/tests/test_backend_options.cpp).
+    with pytest.raises(ValueError, match="growth_factor .inf."):
+        offgraph_kv.runtime.set_options(0, 0, "inf", -1, 0, "", "")
+    assert offgraph_kv.runtime.options() == before

@@ -169,6 +169,11 @@ def test_a_saved_context_from_another_program_or_damaged_is_refused_and_the_stor
         with pytest.raises(ValueError, match=message):
             fresh.store.load(str(path))
         assert fresh.store.length == 0, name
+    with pytest.raises(ValueError, match="not a regular file"):
+        fresh.store.load(str(tmp_path))  # a directory
+    assert fresh.store.length == 0
+    with pytest.raises(ValueError, match="not a regular file"):
+        session.store.save(str(tmp_path))  # never renamed onto a directory or a device
     with pytest.raises(ValueError, match="empty store"):
         session.store.load(str(good))
     fresh.store.load(str(good))

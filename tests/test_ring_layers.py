@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from conftest import TOY, Oracle, Session, greedy, prompt
+from conftest import TOY, Oracle, Session, greedy, lower, prompt
 from executorch.extension.llm.cache.reference_cache import LayerPolicy
 
 MAX_WRITE = 8
@@ -105,3 +107,41 @@ def test_ring_bytes_stay_constant_while_flat_layers_grow(pte_factory):
     assert after_ten[1][0] == "flat" and after_ten[1][3] > after_window[1][3]
     manifest_windows = [l["window"] for l in session.store.metrics()["layers"]]
     assert manifest_windows == [6, 0, 16]
+
+
+def test_rewound_or_reset_nan_steps_leave_no_trace_in_ring_slots(tmp_path, model):
+    """A ring attends a band of its slots under a mask, and a masked slot still meets the weights as
+    0 x value: a rewound or reset step that wrote NaN there must not poison later steps."""
+    poisoned = copy.deepcopy(model)
+    nan_token = TOY.vocab_size - 1
+    with torch.no_grad():
+        poisoned.tok_embeddings.weight[nan_token] = float("nan")  # this token's K/V rows are NaN
+    path = tmp_path / "poisoned_ring.pte"
+    path.write_bytes(lower(poisoned, storage_dtype=torch.float32, initial_capacity=8, layers=tuple(MIXED),
+                           max_write=MAX_WRITE))
+    tokens = prompt(6, seed=9)
+    clean_tokens = tokens.clamp(max=nan_token - 1)
+    nan_step = torch.full((1, 2), nan_token)
+
+    clean = Session(path)
+    clean.step(clean_tokens)
+    want = [clean.step(clean_tokens[:, i:i + 1]) for i in range(4)]
+    assert all(torch.isfinite(w).all() for w in want)
+
+    rewound = Session(path)
+    rewound.step(clean_tokens)
+    assert not torch.isfinite(rewound.step(nan_step)).all()
+    rewound.store.rewind(2)
+    rewound.length -= 2
+    for i, w in enumerate(want):
+        torch.testing.assert_close(rewound.step(clean_tokens[:, i:i + 1]), w, atol=0, rtol=0)
+
+    for release in (False, True):
+        reset = Session(path)
+        reset.step(clean_tokens)
+        reset.step(nan_step)
+        reset.store.reset(release_memory=release)
+        reset.length = 0
+        reset.step(clean_tokens)
+        for i, w in enumerate(want):
+            torch.testing.assert_close(reset.step(clean_tokens[:, i:i + 1]), w, atol=0, rtol=0)

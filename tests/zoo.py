@@ -42,6 +42,9 @@ class ZooConfig:
     fused_qkv: bool = False
     tied: bool = False
     theta: float = 10000.0
+    # The op's layer_id is block index x this: 2 gives ids 0, 2, 4, as a hybrid
+    # model passes its block index when only some blocks attend.
+    layer_id_stride: int = 1
 
     @property
     def n_layers(self) -> int:
@@ -65,7 +68,7 @@ class ZooAttention(nn.Module):
     def __init__(self, cfg: ZooConfig, layer_id: int) -> None:
         super().__init__()
         s = cfg.layers[layer_id]
-        self.layer_id, self.s = layer_id, s
+        self.layer_id, self.s = layer_id * cfg.layer_id_stride, s
         q, kv, vv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.v_dim
         if cfg.fused_qkv:
             self.qkv = nn.Linear(cfg.dim, q + kv + vv, bias=True)
@@ -251,6 +254,7 @@ class PerLayerReference:
 
     def __init__(self, cfg: ZooConfig, layers: Sequence[LayerPolicy], dtype: torch.dtype, capacity: int = 1024) -> None:
         pol = list(layers) * (cfg.n_layers if len(layers) == 1 else 1)
+        self.stride = cfg.layer_id_stride
         self.caches = [
             ContiguousReferenceCache(CacheConfig(n_layers=1, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
                                                  capacity=capacity, dtype=dtype, layers=(pol[i],)))
@@ -262,7 +266,7 @@ class PerLayerReference:
             c._v[0] = torch.zeros(1, s.n_kv_heads, 0, s.v_dim, dtype=dtype)
 
     def update_and_fetch(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, position: torch.Tensor):  # noqa: ANN201
-        return self.caches[layer_id].update_and_fetch(0, k, v, position)
+        return self.caches[layer_id // self.stride].update_and_fetch(0, k, v, position)
 
 
 def outputs(result: object) -> List[torch.Tensor]:

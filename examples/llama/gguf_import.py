@@ -106,7 +106,9 @@ class GGUFFile:
             raise FileNotFoundError(f"GGUF file {self.path} does not exist")
         try:
             self.reader = _gguf().GGUFReader(str(self.path))
-        except (ValueError, OSError) as e:  # bad magic, truncated file, ...
+        # The gguf reader meets damage in many ways: bad magic, a truncated file (IndexError from an
+        # empty numpy view), counts of 2**64-1 (OverflowError, MemoryError), ...
+        except (ValueError, OSError, IndexError, OverflowError, MemoryError, KeyError, TypeError) as e:
             raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from e
         self.architecture = str(self.get("general.architecture"))
 

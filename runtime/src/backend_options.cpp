@@ -1,5 +1,7 @@
 #include "backend_options.h"
 
+#include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -97,8 +99,11 @@ bool apply_one(const BackendOption& opt, Overrides* o, std::string* why) {
     }
     char* end = nullptr;
     const double f = std::strtod(text, &end);
-    if (end == text || *end != '\0' || !(f > 1.0)) {
-      *why = std::string("backend option growth_factor '") + text + "' must be a number > 1";
+    // Decimal only (strtod would also read hex and leading blanks), finite and above 1.
+    const bool decimal = std::isdigit(static_cast<unsigned char>(text[0])) && std::strchr(text, 'x') == nullptr &&
+                         std::strchr(text, 'X') == nullptr;
+    if (!decimal || end == text || *end != '\0' || !(f > 1.0) || !std::isfinite(f)) {
+      *why = std::string("backend option growth_factor '") + text + "' must be a finite decimal number > 1";
       return false;
     }
     o->growth_factor = f;

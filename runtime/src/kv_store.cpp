@@ -3,6 +3,7 @@
 #include <executorch/runtime/platform/log.h>
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 namespace offgraph_kv {
@@ -238,7 +239,30 @@ void KVStore::return_released_memory() {
   released_arena_ = false;
 }
 
-void KVStore::abort_step() { pending_ = 0; }
+void KVStore::abort_step() {
+  // A failed step may have written its rows into ring slots before failing.
+  clear_ring_positions(length_, length_ + pending_);
+  pending_ = 0;
+}
+
+void KVStore::clear_ring_positions(size_t from, size_t to) {
+  // Attention masks a slot that holds no position of the window, but a masked
+  // slot still meets the probabilities as 0 x value, and 0 x NaN is NaN: slots
+  // of positions that no longer exist are zeroed, so a rewound, reset or failed
+  // step that wrote NaN or Inf leaves nothing behind (flat layers never read
+  // rows past the length).
+  if (to <= from) return;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const TensorSpec& t = tensors_[i];
+    if (t.kind != LayerKind::Ring) continue;
+    const size_t slots = rows_of(i, capacity_), row = t.row_bytes();
+    const size_t count = std::min(to - from, slots), first = from % slots;
+    char* base = static_cast<char*>(data_of(i));
+    const size_t head = std::min(count, slots - first);
+    memory_->zero(base + first * row, head * row);
+    if (count > head) memory_->zero(base, (count - head) * row);  // the run wraps to slot 0
+  }
+}
 
 Binding KVStore::binding(size_t i) const {
   const TensorSpec& t = tensors_[i];
@@ -273,12 +297,14 @@ Status KVStore::rewind(size_t n) {
                         std::to_string(policy_.rewind_budget) + " (a load-time option) buys more");
     }
   }
+  clear_ring_positions(to, length_);
   length_ = to;
   return Status::ok_status();
 }
 
 Status KVStore::reset(bool release_memory) {
   pending_ = 0;
+  clear_ring_positions(0, std::numeric_limits<size_t>::max());  // every slot
   length_ = 0;
   std::fill(kept_from_.begin(), kept_from_.end(), 0);
   if (release_memory && capacity_ != policy_.initial_capacity) {

@@ -113,6 +113,8 @@ class KVStore {
   KVStore(std::vector<TensorSpec> tensors, GrowthPolicy policy, size_t max_write,
           std::shared_ptr<DeviceMemory> memory);
   size_t rows_of(size_t i, size_t flat_capacity) const;
+  // Zero the ring slots of positions [from, to) (every slot when the range is at least a ring).
+  void clear_ring_positions(size_t from, size_t to);
   size_t bytes_at(size_t flat_capacity) const;
   // All-or-nothing: either every flat tensor moves to `new_capacity` with its
   // committed rows, or nothing changes. Copy growth: one allocation and one

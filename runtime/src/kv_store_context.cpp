@@ -7,6 +7,8 @@
 // capacity padding. The CRCs catch damage (format 1's SHA-256 held save and load
 // to ~0.2 GB/s on one core); every header field is still checked on load, and
 // the rows are KV values the model reads, never sizes or offsets.
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -63,10 +65,19 @@ Status bad_file(const std::string& path, const std::string& what) {
   return Status(Error::InvalidArgument, "saved context " + path + ": " + what);
 }
 
+// Whether `path` names something other than a regular file (a directory, a
+// device, a FIFO): a context is neither read from nor renamed onto one.
+bool exists_but_not_regular(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode);
+}
+
 }  // namespace
 
 Status KVStore::save_context(const std::string& path) const {
   if (pending_ != 0) return Status(Error::InvalidState, "save during a step");
+  if (exists_but_not_regular(path))
+    return Status(Error::InvalidArgument, "cannot save a context to " + path + ": it exists and is not a regular file");
   std::vector<Span> spans(tensors_.size());
   size_t data_bytes = 0;
   for (size_t i = 0; i < tensors_.size(); ++i) {
@@ -132,6 +143,7 @@ Status KVStore::load_context(const std::string& path) {
   if (pending_ != 0 || length_ != 0)
     return Status(Error::InvalidState, "load a saved context into an empty store (reset it first); it holds " +
                                            std::to_string(length_) + " positions");
+  if (exists_but_not_regular(path)) return bad_file(path, "not a regular file");
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) return Status(Error::AccessFailed, "cannot open saved context " + path);
   const std::streamoff size = f.tellg();

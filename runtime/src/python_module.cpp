@@ -144,6 +144,7 @@ PYBIND11_MODULE(_runtime, m) {
           "save",
           [](const KVStore& s, const std::string& path) {
             Status st = s.save_context(path);
+            if (st.code() == Error::InvalidArgument) throw std::invalid_argument(st.message());  // the path's fault
             if (!st.ok()) throw std::runtime_error(st.message());
           },
           py::arg("path"), "Write the committed context (rows, length, program identity) to path, atomically.")
@@ -252,10 +253,13 @@ PYBIND11_MODULE(_runtime, m) {
             make_text("growth", growth),
             make_text("cuda_graphs", cuda_graphs),
         };
+        clear_last_error();
         const auto e = executorch::runtime::set_option(kBackendName, {opts, 7});
-        if (e != executorch::runtime::Error::Ok)
+        if (e != executorch::runtime::Error::Ok) {
+          const std::string why = last_error();  // the delegate's message names the option and the value
           throw std::invalid_argument("OffGraphKVBackend rejected the options (error " + std::to_string(int(e)) +
-                                      "; see the log for which)");
+                                      "): " + (why.empty() ? "see the log" : why));
+        }
       },
       py::arg("initial_capacity"), py::arg("max_capacity"), py::arg("growth_factor"), py::arg("rewind_budget") = -1, py::arg("num_threads") = 0,
       py::arg("growth") = "", py::arg("cuda_graphs") = "");

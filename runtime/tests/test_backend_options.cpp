@@ -116,3 +116,23 @@ TEST(cuda_graphs_option_takes_on_or_off_and_names_anything_else) {
   CHECK(apply_options({&opt, 1}).ok());  // "" restores the default
   CHECK(resolve_policy(defaults, {}).cuda_graphs);
 }
+
+TEST(growth_factor_option_takes_finite_decimals_above_one_and_names_anything_else) {
+  executorch::runtime::BackendOption opt{};
+  std::strcpy(opt.key, "growth_factor");
+  std::array<char, executorch::runtime::kMaxOptionValueLength> text{};
+  for (const char* bad : {"inf", "1e400", "nan", "1", "0x10", " 2", "2x", "abc", "-3"}) {
+    std::strcpy(text.data(), bad);
+    opt.value = text;
+    Status s = apply_options({&opt, 1});
+    CHECK(!s.ok() && s.message().find("growth_factor") != std::string::npos && s.message().find(bad) != std::string::npos);
+  }
+  std::strcpy(text.data(), "1.5");
+  opt.value = text;
+  CHECK(apply_options({&opt, 1}).ok());
+  const GrowthPolicy defaults = policy(16, 4096);
+  CHECK(resolve_policy(defaults, {}).growth_factor == 1.5);
+  std::strcpy(text.data(), "");
+  opt.value = text;
+  CHECK(apply_options({&opt, 1}).ok());  // "" restores the default
+}
