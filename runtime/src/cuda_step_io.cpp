@@ -56,49 +56,27 @@ std::shared_ptr<CudaStream> shared_execution_stream(Status* status) {
   return stream;
 }
 
-// Page-locked host memory, freed on destruction: copies from and to it are
-// truly asynchronous, and a graph capture may record them (a copy from
-// pageable memory is a synchronous staging the driver will not capture).
-class PinnedHost {
+// Page-locked host memory: copies from and to it are truly asynchronous, and
+// a graph capture may record them (a copy from pageable memory is a
+// synchronous staging the driver will not capture). Buffers of it free
+// themselves (device_memory.h's Buffer).
+class PinnedHostMemory final : public DeviceMemory {
  public:
-  PinnedHost() = default;
-  PinnedHost(const PinnedHost&) = delete;
-  PinnedHost& operator=(const PinnedHost&) = delete;
-  PinnedHost(PinnedHost&& other) noexcept { *this = std::move(other); }
-  PinnedHost& operator=(PinnedHost&& other) noexcept {
-    if (this != &other) {
-      reset();
-      data_ = std::exchange(other.data_, nullptr);
-      bytes_ = std::exchange(other.bytes_, 0);
-    }
-    return *this;
+  void* allocate(size_t bytes) override {
+    void* p = nullptr;
+    return cudaMallocHost(&p, bytes) == cudaSuccess ? p : nullptr;
   }
-  ~PinnedHost() { reset(); }
-  // Empty (data() == nullptr) when the allocation fails.
-  static PinnedHost allocate(size_t bytes) {
-    PinnedHost p;
-    if (bytes > 0 && cudaMallocHost(&p.data_, bytes) == cudaSuccess) p.bytes_ = bytes;
-    else p.data_ = nullptr;
-    return p;
-  }
-  void reset() {
-    if (data_ != nullptr) cudaFreeHost(data_);
-    data_ = nullptr;
-    bytes_ = 0;
-  }
-  void* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
+  void release(void* ptr) override { cudaFreeHost(ptr); }  // callers sync first: nothing queued reads it
+  void copy(void* dst, const void* src, size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
+  const char* name() const override { return "pinned host"; }
 };
 
 // An input of captured steps: fixed device memory and the pinned host memory
 // its upload reads, allocated together so that both move only together.
 struct FixedInput {
   Buffer device;
-  PinnedHost host;
+  Buffer host;  // pinned
   size_t bytes = 0;      // staged this step
   bool pending = false;  // staged since the last finish()
 };
@@ -123,7 +101,8 @@ class CudaStepIO final : public StepIO {
     if (!io->memory_) return nullptr;
     io->staging_ = cuda_stream_memory(stream, copies);
     // Pinned, so the per-step length upload is a true async copy (and capturable).
-    io->length_host_ = PinnedHost::allocate(sizeof(int64_t));
+    io->pinned_ = std::make_shared<PinnedHostMemory>();
+    io->length_host_ = allocate_buffer(io->pinned_, sizeof(int64_t));
     io->length_device_ = allocate_buffer(io->staging_, sizeof(int64_t));
     if (io->length_host_.data() == nullptr || io->length_device_.data() == nullptr) {
       *status = Status(Error::MemoryAllocationFailed, "cannot allocate the length's host and device words");
@@ -150,7 +129,7 @@ class CudaStepIO final : public StepIO {
     if (f.device.bytes() < bytes || f.device.data() == nullptr) {
       const size_t room = bytes < 256 ? 256 : bytes;  // width-1 steps: the extent never changes
       f.device = allocate_buffer(staging_, room);
-      f.host = PinnedHost::allocate(room);
+      f.host = allocate_buffer(pinned_, room);
       if (f.device.data() == nullptr || f.host.data() == nullptr)
         return Status(Error::MemoryAllocationFailed, "cannot stage input " + std::to_string(index) + " for captured steps");
     }
@@ -197,7 +176,7 @@ class CudaStepIO final : public StepIO {
     if (fixed_outputs_.size() < bytes.size()) fixed_outputs_.resize(bytes.size());
     for (size_t i = 0; i < bytes.size(); ++i) {
       if (fixed_outputs_[i].bytes() >= bytes[i] && (bytes[i] == 0 || fixed_outputs_[i].data() != nullptr)) continue;
-      fixed_outputs_[i] = PinnedHost::allocate(bytes[i]);
+      fixed_outputs_[i] = allocate_buffer(pinned_, bytes[i]);
       if (bytes[i] > 0 && fixed_outputs_[i].data() == nullptr)
         return Status(Error::MemoryAllocationFailed, "cannot allocate pinned host memory for output " + std::to_string(i));
     }
@@ -263,13 +242,14 @@ class CudaStepIO final : public StepIO {
   cudaStream_t stream_ = nullptr;  // the shared execution stream, kept alive by the memories
   std::shared_ptr<DeviceMemory> memory_;   // KV storage: its own pool
   std::shared_ptr<DeviceMemory> staging_;  // inputs and the length: the default pool
-  PinnedHost length_host_;
+  std::shared_ptr<DeviceMemory> pinned_;  // host memory the step's copies read and write
+  Buffer length_host_;
   Buffer length_device_;
   bool length_pending_ = false;
   bool in_flight_ = false;  // copies from pinned memory queued since the last finish()
   std::vector<Buffer> staged_;
   std::vector<FixedInput> fixed_;         // inputs of captured steps (stage_input_fixed)
-  std::vector<PinnedHost> fixed_outputs_;  // where captured steps leave their outputs
+  std::vector<Buffer> fixed_outputs_;  // where captured steps leave their outputs (pinned)
   std::shared_mutex* turns_ = nullptr;
 };
 
