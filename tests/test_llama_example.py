@@ -261,6 +261,73 @@ def test_hf_unknown_architecture_is_named(tmp_path: Path) -> None:
         checkpoint.load_hf(d)
 
 
+def test_hf_explicit_head_dim_and_pytorch_bin_weights_load_like_transformers(tmp_path: Path) -> None:
+    """An explicit head_dim other than hidden_size / heads (as Llama-3.1-Minitron-4B-Width has), from
+    pytorch_model.bin instead of safetensors: the logits are transformers' own."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=24, vocab_size=300)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path)
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(tmp_path / "model.safetensors")), tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    loaded = checkpoint.load_hf(tmp_path)
+    assert loaded.args.head_dim == 24
+    tokens = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 3]), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_hf_damaged_or_quantized_checkpoints_are_refused_naming_the_problem(tmp_path: Path) -> None:
+    def drop(key: str):  # noqa: ANN202
+        return lambda c: c.pop(key)
+
+    config_cases = {
+        "no hidden_size": (drop("hidden_size"), "config.json has no 'hidden_size'"),
+        "llama3 without low_freq_factor": (
+            lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 64}),
+            "has no 'low_freq_factor'"),
+        "quantized": (lambda c: c.update(quantization_config={"quant_method": "bitsandbytes"}),
+                      "quantization_config .bitsandbytes."),
+        "sliding window": (lambda c: c.update(sliding_window=16, max_position_embeddings=128),
+                           "sliding_window=16"),
+    }
+    for name, (edit, message) in config_cases.items():
+        d = _write_hf(tmp_path / name.replace(" ", "_"), tiny_args())
+        config = json.loads((d / "config.json").read_text())
+        edit(config)
+        (d / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            checkpoint.load_hf(d)
+
+    d = _write_hf(tmp_path / "list", tiny_args())
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        checkpoint.load_hf(d)
+
+    def int8_codes(state: Dict[str, torch.Tensor]) -> None:
+        w = state["model.layers.0.mlp.up_proj.weight"]
+        state["model.layers.0.mlp.up_proj.weight"] = (w * 100).clamp(-127, 127).to(torch.int8)
+
+    d = _write_hf(tmp_path / "int8", tiny_args(), mutate=int8_codes)
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*stored as torch\.int8"):
+        checkpoint.load_hf(d)
+
+    d = _write_hf(tmp_path / "truncated", tiny_args())
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="model.safetensors is not a readable weights file"):
+        checkpoint.load_hf(d)
+
+
 def test_meta_missing_and_misshapen_tensors_are_named(tmp_path: Path) -> None:
     state = checkpoint.to_meta_state_dict(_meta_reference_model())
     missing = dict(state)

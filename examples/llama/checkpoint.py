@@ -24,11 +24,56 @@ import torch
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM",)
+# Mistral's tensors and blocks are Llama's; hf_args refuses one with a sliding window.
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 # Tensors some checkpoints carry that are derived, not learned: model.py
 # recomputes them from the config, so they are dropped rather than "unused".
 _DERIVED = re.compile(r"(^rope\.freqs$)|(\.rotary_emb\.inv_freq$)")
+
+# What a checkpoint's weights may be stored as: integer or float8 codes are a
+# quantized checkpoint's, meaningless without its scales (never cast silently).
+_FLOAT_WEIGHTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _number(config: Mapping[str, object], key: str, where: str, kind: type = int,
+            default: object = None) -> "int | float":
+    """``config[key]`` as ``kind``; a ValueError naming the file and the key when it is missing or not a number."""
+    value = config.get(key)
+    if value is None:  # absent, or null (as configs write optional fields)
+        value = default
+    if value is None:
+        raise ValueError(f"{where} has no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise ValueError(f"{where}: {key!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def _read_json(path: Path) -> Dict[str, object]:
+    """A JSON object from ``path``; a ValueError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_tensors(path: Path) -> Dict[str, torch.Tensor]:
+    """The tensors of one safetensors or torch-pickle weights file; a ValueError naming it when damaged."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file  # optional dependency: only these loaders need it
+
+            return load_file(str(path))
+        # weights_only: a checkpoint is data, never code to run.
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # safetensors' and torch's readers raise their own types for damage
+        raise ValueError(f"{path.name} is not a readable weights file: {str(e).splitlines()[0] if str(e) else e!r}") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path.name} does not hold a flat dict of tensors")
+    return state
 
 
 @dataclass
@@ -134,6 +179,11 @@ def build_model(
     for key, tensor in state.items():
         if key not in expected:
             raise ValueError(f"checkpoint tensor {label(key)} is not used by the model")
+        if tensor.dtype not in _FLOAT_WEIGHTS:
+            raise ValueError(
+                f"checkpoint tensor {label(key)} is stored as {tensor.dtype}: quantized checkpoints are not "
+                "read (load the float checkpoint; export.py --quantize quantizes it)"
+            )
         if tuple(tensor.shape) != tuple(expected[key]):
             raise ValueError(
                 f"checkpoint tensor {label(key)} has shape {tuple(tensor.shape)}, "
@@ -201,10 +251,10 @@ def meta_args(params: Mapping[str, object], vocab_size: Optional[int] = None) ->
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         }
-    n_heads = int(params["n_heads"])
+    n_heads = _number(params, "n_heads", "params.json")
     return ModelArgs(
-        dim=int(params["dim"]),
-        n_layers=int(params["n_layers"]),
+        dim=_number(params, "dim", "params.json"),
+        n_layers=_number(params, "n_layers", "params.json"),
         n_heads=n_heads,
         n_kv_heads=int(params.get("n_kv_heads") or n_heads),
         vocab_size=vocab,
@@ -255,10 +305,8 @@ def load_meta(
     params_path = Path(params) if params else shards[0].parent / "params.json"
     if not params_path.is_file():
         raise FileNotFoundError(f"params file {params_path} does not exist (pass --params)")
-    raw = json.loads(params_path.read_text())
-    state = _merge_meta_shards(
-        [torch.load(p, map_location="cpu", mmap=True, weights_only=True) for p in shards]
-    )
+    raw = _read_json(params_path)
+    state = _merge_meta_shards([_read_tensors(p) for p in shards])
     state = {k: v for k, v in state.items() if not _DERIVED.search(k)}
     emb = state.get("tok_embeddings.weight")
     args = meta_args(raw, vocab_size=emb.shape[0] if emb is not None else None)
@@ -339,9 +387,10 @@ def hf_to_model_name(name: str) -> Optional[str]:
 
 def hf_args(config: Mapping[str, object]) -> ModelArgs:
     """ModelArgs from a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling)."""
+    where = "config.json"
     archs = list(config.get("architectures") or [])
     if not archs:
-        if config.get("model_type") != "llama":
+        if config.get("model_type") not in ("llama", "mistral"):
             raise ValueError(
                 f"config.json names no architecture and model_type {config.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
@@ -351,31 +400,44 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
             raise ValueError(
                 f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
+    if config.get("quantization_config"):
+        method = dict(config["quantization_config"]).get("quant_method", "?") \
+            if isinstance(config["quantization_config"], dict) else "?"
+        raise ValueError(f"config.json has a quantization_config ({method}): quantized checkpoints are not read "
+                         "(load the float checkpoint; export.py --quantize quantizes it)")
+    # Mistral is this architecture with a sliding window on every layer; without one it is Llama.
+    window = config.get("sliding_window")
+    if window is not None and int(window) < int(config.get("max_position_embeddings") or 2**62):
+        raise ValueError(f"config.json sets sliding_window={window}: this loader builds full-attention layers "
+                         "(export a ring layer per layer with LayerPolicy.ring(window) from your own model instead)")
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise ValueError(f"config.json sets {flag}=true; this Llama model has no biases")
     act = config.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU
         raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
-    dim = int(config["hidden_size"])
-    n_heads = int(config["num_attention_heads"])
+    dim = _number(config, "hidden_size", where)
+    n_heads = _number(config, "num_attention_heads", where)
+    if n_heads <= 0 or dim <= 0:
+        raise ValueError(f"config.json: hidden_size {dim} and num_attention_heads {n_heads} must be positive")
+    # An explicit head_dim may differ from hidden_size / heads (e.g. Llama-3.1-Minitron-4B-Width: 3072 / 32, 128).
     head_dim = config.get("head_dim")
-    if head_dim is not None and int(head_dim) * n_heads != dim:
-        raise ValueError(
-            f"config.json head_dim {head_dim} != hidden_size / num_attention_heads = {dim // n_heads}; "
-            "model.py derives head_dim from dim"
-        )
+    head_dim = _number(config, "head_dim", where) if head_dim is not None else None
+    if head_dim is None and dim % n_heads:
+        raise ValueError(f"config.json: hidden_size {dim} is not a multiple of num_attention_heads {n_heads} "
+                         "and no head_dim is given")
     # transformers 5 folds rope_theta / rope_scaling into rope_parameters.
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "llama3":
+        rope_where = "config.json rope scaling (llama3)"
         scaling = {
             "rope_type": "llama3",
-            "factor": float(rope["factor"]),
-            "low_freq_factor": float(rope["low_freq_factor"]),
-            "high_freq_factor": float(rope["high_freq_factor"]),
-            "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+            "factor": _number(rope, "factor", rope_where, float),
+            "low_freq_factor": _number(rope, "low_freq_factor", rope_where, float),
+            "high_freq_factor": _number(rope, "high_freq_factor", rope_where, float),
+            "original_max_position_embeddings": _number(rope, "original_max_position_embeddings", rope_where),
         }
     elif rope_type == "default":
         scaling = None
@@ -383,15 +445,16 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         raise ValueError(f"config.json rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
     return ModelArgs(
         dim=dim,
-        n_layers=int(config["num_hidden_layers"]),
+        n_layers=_number(config, "num_hidden_layers", where),
         n_heads=n_heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-        vocab_size=int(config["vocab_size"]),
-        hidden_dim=int(config["intermediate_size"]),
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        n_kv_heads=_number(config, "num_key_value_heads", where, default=n_heads),
+        vocab_size=_number(config, "vocab_size", where),
+        hidden_dim=_number(config, "intermediate_size", where),
+        norm_eps=_number(config, "rms_norm_eps", where, float, default=1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_head_dim=head_dim if head_dim is not None and head_dim * n_heads != dim else None,
     )
 
 
@@ -442,18 +505,23 @@ def hf_config(args: ModelArgs) -> Dict[str, object]:
 
 
 def _hf_files(directory: Path) -> List[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({directory / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise FileNotFoundError(f"shard {f.name} named by {index.name} is missing")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {directory}")
-    return files
+    """The weight files: safetensors (sharded with an index, or not), else pytorch_model*.bin likewise."""
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        index = directory / index_name
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index} has no weight_map")
+            files = sorted({directory / str(f) for f in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise FileNotFoundError(f"shard {f.name} named by {index.name} is missing")
+            return files
+        files = sorted(directory.glob(pattern))
+        if files:
+            return files
+    raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {directory}")
 
 
 def _hf_stop_tokens(directory: Path, config: Mapping[str, object]) -> Tuple[List[int], Optional[int]]:
@@ -466,14 +534,12 @@ def _hf_stop_tokens(directory: Path, config: Mapping[str, object]) -> Tuple[List
 
 
 def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -> LoadedCheckpoint:
-    """Load a Hugging Face Llama directory (config.json + *.safetensors, sharded or not)."""
-    from safetensors.torch import load_file  # optional dependency: only this loader needs it
-
+    """Load a Hugging Face Llama directory (config.json + *.safetensors or pytorch_model*.bin, sharded or not)."""
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
-    config = json.loads(config_path.read_text())
+    config = _read_json(config_path)
     args = hf_args(config)
 
     state: Dict[str, torch.Tensor] = {}
@@ -483,7 +549,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
         source_names["output.weight"] = "model.embed_tokens.weight"
     lm_head: Optional[torch.Tensor] = None
     for f in _hf_files(directory):
-        for name, tensor in load_file(str(f)).items():
+        for name, tensor in _read_tensors(f).items():
             if _DERIVED.search(name):
                 continue
             if name == "lm_head.weight" and args.tie_embeddings:
