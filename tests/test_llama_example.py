@@ -285,6 +285,28 @@ def test_hf_explicit_head_dim_and_pytorch_bin_weights_load_like_transformers(tmp
     torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 3]), expected, atol=2e-5, rtol=1e-4)
 
 
+def test_hf_mistral_sliding_window_loads_as_ring_layers_with_transformers_logits(tmp_path: Path) -> None:
+    """Mistral's sliding window (a query at p sees keys p - window < k <= p) is a ring on every layer."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                        sliding_window=4, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path)
+    loaded = checkpoint.load_hf(tmp_path)
+    assert loaded.args.layer_policies()[0].window == 4
+    tokens = torch.randint(0, 300, (1, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    # Windows passed inside the prefill and across decode steps.
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [6, 1, 1, 2, 1, 1, 1]), expected,
+                               atol=2e-5, rtol=1e-4)
+
+
 def test_hf_damaged_or_quantized_checkpoints_are_refused_naming_the_problem(tmp_path: Path) -> None:
     def drop(key: str):  # noqa: ANN202
         return lambda c: c.pop(key)
@@ -297,8 +319,7 @@ def test_hf_damaged_or_quantized_checkpoints_are_refused_naming_the_problem(tmp_
             "has no 'low_freq_factor'"),
         "quantized": (lambda c: c.update(quantization_config={"quant_method": "bitsandbytes"}),
                       "quantization_config .bitsandbytes."),
-        "sliding window": (lambda c: c.update(sliding_window=16, max_position_embeddings=128),
-                           "sliding_window=16"),
+        "negative sliding window": (lambda c: c.update(sliding_window=-3), "sliding_window must be positive"),
     }
     for name, (edit, message) in config_cases.items():
         d = _write_hf(tmp_path / name.replace(" ", "_"), tiny_args())

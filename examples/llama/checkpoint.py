@@ -24,7 +24,7 @@ import torch
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
-# Mistral's tensors and blocks are Llama's; hf_args refuses one with a sliding window.
+# Mistral's tensors and blocks are Llama's; its sliding window makes every layer a ring.
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 # Tensors some checkpoints carry that are derived, not learned: model.py
@@ -405,11 +405,14 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
             if isinstance(config["quantization_config"], dict) else "?"
         raise ValueError(f"config.json has a quantization_config ({method}): quantized checkpoints are not read "
                          "(load the float checkpoint; export.py --quantize quantizes it)")
-    # Mistral is this architecture with a sliding window on every layer; without one it is Llama.
+    # Mistral is this architecture with a sliding window on every layer (ring layers here: a query at
+    # position p sees keys p - window < k <= p, as transformers masks); without one it is Llama.
     window = config.get("sliding_window")
-    if window is not None and int(window) < int(config.get("max_position_embeddings") or 2**62):
-        raise ValueError(f"config.json sets sliding_window={window}: this loader builds full-attention layers "
-                         "(export a ring layer per layer with LayerPolicy.ring(window) from your own model instead)")
+    window = _number(config, "sliding_window", where) if window is not None else 0
+    if window < 0:
+        raise ValueError(f"config.json: sliding_window must be positive, got {window}")
+    if window >= int(config.get("max_position_embeddings") or 2**62):
+        window = 0  # wider than any context: full attention
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise ValueError(f"config.json sets {flag}=true; this Llama model has no biases")
@@ -455,6 +458,7 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         rope_scaling=scaling,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_head_dim=head_dim if head_dim is not None and head_dim * n_heads != dim else None,
+        sliding_windows=[window],
     )
 
 
@@ -501,6 +505,11 @@ def hf_config(args: ModelArgs) -> Dict[str, object]:
     }
     if args.rope_scaling:
         config["rope_scaling"] = dict(args.rope_scaling, rope_type="llama3")
+    windows = set(args.sliding_windows)
+    if windows != {0}:
+        if len(windows) != 1:
+            raise ValueError(f"config.json holds one sliding window for all layers, not {args.sliding_windows}")
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=windows.pop())
     return config
 
 
