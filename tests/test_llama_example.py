@@ -307,6 +307,32 @@ def test_hf_mistral_sliding_window_loads_as_ring_layers_with_transformers_logits
                                atol=2e-5, rtol=1e-4)
 
 
+def test_hf_qwen2_with_qkv_biases_and_sliding_layers_gives_transformers_logits(tmp_path: Path) -> None:
+    """Qwen2: q/k/v biases, tied embeddings, a sliding window from layer max_window_layers on."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                      tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
+                                      sliding_window=4, max_window_layers=1, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path)
+    loaded = checkpoint.load_hf(tmp_path)
+    assert loaded.args.qkv_bias and not loaded.args.out_bias and loaded.args.tie_embeddings
+    assert [p.window for p in loaded.args.layer_policies()] == [0, 4]
+    tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 1, 3, 1, 1]), expected, atol=2e-5, rtol=1e-4)
+    # Our writer's config reads back as the same model shape.
+    again = checkpoint.load_hf(_write_hf(tmp_path / "ours", loaded.args)).args
+    assert (again.qkv_bias, again.out_bias, again.tie_embeddings, again.layer_policies()) == \
+        (True, False, True, loaded.args.layer_policies())
+
+
 def test_hf_damaged_or_quantized_checkpoints_are_refused_naming_the_problem(tmp_path: Path) -> None:
     def drop(key: str):  # noqa: ANN202
         return lambda c: c.pop(key)

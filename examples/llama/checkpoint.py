@@ -24,8 +24,10 @@ import torch
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
-# Mistral's tensors and blocks are Llama's; its sliding window makes every layer a ring.
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# Mistral's and Qwen2's tensors and blocks are Llama's (Qwen2: plus q/k/v biases);
+# their sliding windows make layers rings.
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # Tensors some checkpoints carry that are derived, not learned: model.py
 # recomputes them from the config, so they are dropped rather than "unused".
@@ -355,6 +357,10 @@ _HF_LAYER_NAMES = {
     "self_attn.k_proj.weight": "attention.wk.weight",
     "self_attn.v_proj.weight": "attention.wv.weight",
     "self_attn.o_proj.weight": "attention.wo.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.bias": "attention.wo.bias",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
@@ -390,32 +396,27 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
     where = "config.json"
     archs = list(config.get("architectures") or [])
     if not archs:
-        if config.get("model_type") not in ("llama", "mistral"):
+        if config.get("model_type") not in _HF_MODEL_TYPES:
             raise ValueError(
                 f"config.json names no architecture and model_type {config.get('model_type')!r}; "
                 f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
+        archs = [_HF_MODEL_TYPES[str(config["model_type"])]]
     for arch in archs:
         if arch not in SUPPORTED_HF_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
+    qwen2 = "Qwen2ForCausalLM" in archs
     if config.get("quantization_config"):
         method = dict(config["quantization_config"]).get("quant_method", "?") \
             if isinstance(config["quantization_config"], dict) else "?"
         raise ValueError(f"config.json has a quantization_config ({method}): quantized checkpoints are not read "
                          "(load the float checkpoint; export.py --quantize quantizes it)")
-    # Mistral is this architecture with a sliding window on every layer (ring layers here: a query at
-    # position p sees keys p - window < k <= p, as transformers masks); without one it is Llama.
-    window = config.get("sliding_window")
-    window = _number(config, "sliding_window", where) if window is not None else 0
-    if window < 0:
-        raise ValueError(f"config.json: sliding_window must be positive, got {window}")
-    if window >= int(config.get("max_position_embeddings") or 2**62):
-        window = 0  # wider than any context: full attention
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            raise ValueError(f"config.json sets {flag}=true; this Llama model has no biases")
+    if config.get("mlp_bias"):
+        raise ValueError("config.json sets mlp_bias=true; this Llama model's MLP has no biases")
+    n_layers = _number(config, "num_hidden_layers", where)
+    windows = _hf_windows(config, n_layers, qwen2)
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU
         raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
@@ -448,7 +449,7 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         raise ValueError(f"config.json rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
     return ModelArgs(
         dim=dim,
-        n_layers=_number(config, "num_hidden_layers", where),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=_number(config, "num_key_value_heads", where, default=n_heads),
         vocab_size=_number(config, "vocab_size", where),
@@ -458,8 +459,40 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         rope_scaling=scaling,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_head_dim=head_dim if head_dim is not None and head_dim * n_heads != dim else None,
-        sliding_windows=[window],
+        sliding_windows=windows,
+        qkv_bias=qwen2 or bool(config.get("attention_bias")),
+        out_bias=bool(config.get("attention_bias")),
     )
+
+
+def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> List[int]:
+    """Each layer's sliding window (0: full attention), as transformers decides it: ``layer_types``
+    where the config lists them; Mistral: every layer; Qwen2: only with ``use_sliding_window``, from
+    layer ``max_window_layers`` on. A ring layer here attends keys p - window < k <= p, as transformers
+    masks. A window as wide as every context is full attention."""
+    where = "config.json"
+    window = config.get("sliding_window")
+    window = _number(config, "sliding_window", where) if window is not None else 0
+    if window < 0:
+        raise ValueError(f"config.json: sliding_window must be positive, got {window}")
+    if window >= int(config.get("max_position_embeddings") or 2**62):
+        window = 0
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n_layers:
+            raise ValueError(f"config.json: layer_types must list {n_layers} layers, got {types!r}")
+        unknown = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"config.json: layer type(s) {unknown} are not supported")
+        if "sliding_attention" in types and not window:
+            raise ValueError("config.json lists sliding_attention layers but no sliding_window")
+        windows = [window if t == "sliding_attention" else 0 for t in types]
+    elif qwen2:
+        first = _number(config, "max_window_layers", where, default=n_layers)
+        windows = [window if config.get("use_sliding_window") and i >= first else 0 for i in range(n_layers)]
+    else:
+        windows = [window] * n_layers
+    return windows if len(set(windows)) > 1 else windows[:1]
 
 
 def model_to_hf_name(key: str) -> str:
@@ -505,11 +538,20 @@ def hf_config(args: ModelArgs) -> Dict[str, object]:
     }
     if args.rope_scaling:
         config["rope_scaling"] = dict(args.rope_scaling, rope_type="llama3")
-    windows = set(args.sliding_windows)
-    if windows != {0}:
-        if len(windows) != 1:
-            raise ValueError(f"config.json holds one sliding window for all layers, not {args.sliding_windows}")
-        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=windows.pop())
+    if args.out_bias:
+        if not args.qkv_bias:
+            raise ValueError("a Hugging Face config has no output-projection bias without q/k/v biases")
+        config["attention_bias"] = True
+    elif args.qkv_bias:
+        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    windows = [args.window_of(i) for i in range(args.n_layers)]
+    if any(windows):
+        if len({w for w in windows if w}) != 1:
+            raise ValueError(f"a Hugging Face config holds one sliding window, not {args.sliding_windows}")
+        if not args.qkv_bias and len(set(windows)) == 1:
+            config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+        config["sliding_window"] = max(windows)
+        config["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
     return config
 
 

@@ -41,6 +41,10 @@ class ModelArgs:
     # Set when heads are not dim / n_heads wide (e.g. a narrow residual stream
     # with Llama-3-8B-sized attention, as the CUDA benchmark uses).
     attention_head_dim: Optional[int] = None
+    # Biases of the q/k/v projections (Qwen2) and of the output projection
+    # (Llama's attention_bias sets both).
+    qkv_bias: bool = False
+    out_bias: bool = False
     # False: logits of each step's last token only, [1, 1, vocab] (what
     # generation reads; ExecuTorch's export_llama default): a prefill chunk
     # then runs the output projection, the largest matrix of a small model, on
@@ -124,10 +128,10 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
