@@ -586,3 +586,38 @@ def test_sampling_is_reproducible_from_the_seed_and_respects_top_p() -> None:
     b = [run.sample(logits, 1.0, 1.0, torch.Generator().manual_seed(7)) for _ in range(3)]
     assert a == b
     assert run.sample(logits, 0.0, 0.9, torch.Generator()) == 0
+
+
+def test_qwen2_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:
+    """A Hugging Face Qwen2 directory (q/k/v biases, tied embeddings, a flat layer then a sliding-window
+    one) through export.py --hf-dir and the ExecuTorch runtime: transformers' logits across the window
+    and a growth."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                      tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
+                                      sliding_window=4, max_window_layers=1, max_position_embeddings=256)
+    torch.manual_seed(1)
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "qwen2.pte"
+    assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
+                        "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
+    import offgraph_kv.runtime
+
+    offgraph_kv.runtime.configure(initial_capacity=8)
+    try:
+        method = offgraph_kv.runtime.load_method(out)
+    finally:
+        offgraph_kv.runtime.configure()
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(ids, use_cache=False).logits[0, 9:]
+    got = [method.execute([ids[:, :10], positions(0, 10)])[0][0, -1]]
+    for i in range(10, 24):
+        got.append(method.execute([ids[:, i:i + 1], positions(i, 1)])[0][0, -1])
+    torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=1e-4)
+    assert offgraph_kv.runtime.stores()[-1].metrics()["growths"] >= 1
