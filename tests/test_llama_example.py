@@ -261,18 +261,31 @@ def test_hf_unknown_architecture_is_named(tmp_path: Path) -> None:
         checkpoint.load_hf(d)
 
 
-def test_hf_explicit_head_dim_and_pytorch_bin_weights_load_like_transformers(tmp_path: Path) -> None:
-    """An explicit head_dim other than hidden_size / heads (as Llama-3.1-Minitron-4B-Width has), from
-    pytorch_model.bin instead of safetensors: the logits are transformers' own."""
+# Small shapes every transformers model below shares.
+_HF_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300)
+_QWEN2_SLIDING = dict(tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True, sliding_window=4,
+                      max_window_layers=1, max_position_embeddings=256)
+
+
+def _saved_transformers_model(path: Path, family: str, seed: int = 0, **config: object):  # noqa: ANN201
+    """A perturbed (nothing left at its init value) transformers ``<family>ForCausalLM`` of _HF_SMALL
+    shapes plus ``config``, saved to ``path``."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=24, vocab_size=300)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
+    cfg = getattr(transformers, f"{family}Config")(**{**_HF_SMALL, **config})
+    torch.manual_seed(seed)
+    hf = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(tmp_path)
+    hf.save_pretrained(path)
+    return hf
+
+
+def test_hf_explicit_head_dim_and_pytorch_bin_weights_load_like_transformers(tmp_path: Path) -> None:
+    """An explicit head_dim other than hidden_size / heads (as Llama-3.1-Minitron-4B-Width has), from
+    pytorch_model.bin instead of safetensors: the logits are transformers' own."""
+    hf = _saved_transformers_model(tmp_path, "Llama", head_dim=24)
     from safetensors.torch import load_file
 
     torch.save(load_file(str(tmp_path / "model.safetensors")), tmp_path / "pytorch_model.bin")
@@ -287,16 +300,7 @@ def test_hf_explicit_head_dim_and_pytorch_bin_weights_load_like_transformers(tmp
 
 def test_hf_mistral_sliding_window_loads_as_ring_layers_with_transformers_logits(tmp_path: Path) -> None:
     """Mistral's sliding window (a query at p sees keys p - window < k <= p) is a ring on every layer."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                        sliding_window=4, max_position_embeddings=256)
-    torch.manual_seed(0)
-    hf = transformers.MistralForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(tmp_path)
+    hf = _saved_transformers_model(tmp_path, "Mistral", sliding_window=4, max_position_embeddings=256)
     loaded = checkpoint.load_hf(tmp_path)
     assert loaded.args.layer_policies()[0].window == 4
     tokens = torch.randint(0, 300, (1, 13), generator=torch.Generator().manual_seed(3))
@@ -309,17 +313,7 @@ def test_hf_mistral_sliding_window_loads_as_ring_layers_with_transformers_logits
 
 def test_hf_qwen2_with_qkv_biases_and_sliding_layers_gives_transformers_logits(tmp_path: Path) -> None:
     """Qwen2: q/k/v biases, tied embeddings, a sliding window from layer max_window_layers on."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                      tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
-                                      sliding_window=4, max_window_layers=1, max_position_embeddings=256)
-    torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(tmp_path)
+    hf = _saved_transformers_model(tmp_path, "Qwen2", **_QWEN2_SLIDING)
     loaded = checkpoint.load_hf(tmp_path)
     assert loaded.args.qkv_bias and not loaded.args.out_bias and loaded.args.tie_embeddings
     assert [p.window for p in loaded.args.layer_policies()] == [0, 4]
@@ -592,17 +586,7 @@ def test_qwen2_checkpoint_exported_from_its_directory_gives_transformers_logits(
     """A Hugging Face Qwen2 directory (q/k/v biases, tied embeddings, a flat layer then a sliding-window
     one) through export.py --hf-dir and the ExecuTorch runtime: transformers' logits across the window
     and a growth."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                      tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True,
-                                      sliding_window=4, max_window_layers=1, max_position_embeddings=256)
-    torch.manual_seed(1)
-    hf = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(tmp_path / "ckpt")
+    hf = _saved_transformers_model(tmp_path / "ckpt", "Qwen2", seed=1, **_QWEN2_SLIDING)
     out = tmp_path / "qwen2.pte"
     assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
                         "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
