@@ -73,25 +73,36 @@ def tiny_args(**overrides: object) -> ModelArgs:
 # --------------------------------------------------------------------------- #
 
 
-def _save_transformers_llama(path: Path, tie: bool, shard: bool, dtype: torch.dtype = torch.float32):
+# Small shapes every transformers model below shares.
+_HF_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300)
+_QWEN2_SLIDING = dict(tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True, sliding_window=4,
+                      max_window_layers=1, max_position_embeddings=256)
+
+
+def _saved_transformers_model(path: Path, family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+                              max_shard_size: str = "1GB", **config: object):  # noqa: ANN201
+    """A transformers ``<family>ForCausalLM`` of _HF_SMALL shapes plus ``config``, saved to ``path``."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=300, rms_norm_eps=1e-5, tie_word_embeddings=tie,
-        rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64},
-    )
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(config).eval()
+    cfg = getattr(transformers, f"{family}Config")(**{**_HF_SMALL, **config})
+    torch.manual_seed(seed)
+    hf = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
     with torch.no_grad():
         # Default init leaves norms at 1 and small weights; perturb everything so
         # a swapped or mis-permuted tensor cannot hide.
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     hf = hf.to(dtype)
-    hf.save_pretrained(path, max_shard_size="100KB" if shard else "1GB")
+    hf.save_pretrained(path, max_shard_size=max_shard_size)
     return hf
+
+
+def _save_transformers_llama(path: Path, tie: bool, shard: bool, dtype: torch.dtype = torch.float32):  # noqa: ANN202
+    return _saved_transformers_model(
+        path, "Llama", dtype=dtype, max_shard_size="100KB" if shard else "1GB",
+        intermediate_size=160, rms_norm_eps=1e-5, tie_word_embeddings=tie, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})
 
 
 @pytest.mark.parametrize("tie,shard", [(False, True), (True, False)], ids=["untied-sharded", "tied-single-file"])
@@ -260,26 +271,6 @@ def test_hf_unknown_architecture_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
         checkpoint.load_hf(d)
 
-
-# Small shapes every transformers model below shares.
-_HF_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=300)
-_QWEN2_SLIDING = dict(tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True, sliding_window=4,
-                      max_window_layers=1, max_position_embeddings=256)
-
-
-def _saved_transformers_model(path: Path, family: str, seed: int = 0, **config: object):  # noqa: ANN201
-    """A perturbed (nothing left at its init value) transformers ``<family>ForCausalLM`` of _HF_SMALL
-    shapes plus ``config``, saved to ``path``."""
-    transformers = pytest.importorskip("transformers")
-    cfg = getattr(transformers, f"{family}Config")(**{**_HF_SMALL, **config})
-    torch.manual_seed(seed)
-    hf = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    hf.save_pretrained(path)
-    return hf
 
 
 def test_hf_explicit_head_dim_and_pytorch_bin_weights_load_like_transformers(tmp_path: Path) -> None:

@@ -126,8 +126,8 @@ def permute_interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     Meta rotates pairs (2i, 2i+1) of each head; the half-split rotation pairs
     (i, i + head_dim/2). Same as ``permute`` in HF's convert_llama_weights_to_hf.
     """
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    rows = w.shape[0]  # a weight's rows, or a bias's entries
+    return w.reshape(n_heads, rows // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def permute_half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:

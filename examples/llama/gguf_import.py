@@ -280,11 +280,10 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
         key = gguf_to_model_name(t.name)
         w = _dequantize(f, t)
         if f.architecture == "llama":  # rows (and a bias's entries) in ggml's interleaved RoPE order
-            heads = {".attention.wq.": args.n_heads, ".attention.wk.": args.n_kv_heads}
-            for part, n in heads.items():
-                if part in key:
-                    w = permute_interleaved_to_half(w.unsqueeze(-1), n).squeeze(-1) if w.dim() == 1 \
-                        else permute_interleaved_to_half(w, n)
+            if ".attention.wq." in key:
+                w = permute_interleaved_to_half(w, args.n_heads)
+            elif ".attention.wk." in key:
+                w = permute_interleaved_to_half(w, args.n_kv_heads)
         state[key] = w
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]

@@ -176,10 +176,9 @@ Status StepExecutor::run_uncaptured(Span<EValue*> args, bool decode) {
   return program_->run(
       inputs_, io_->stream(),
       [&](size_t i, const OutputView& out) {
-        return copy_output(i, out, args[first_output + i], [&](void* host, size_t bytes) {
-          if (decode && i < decode_output_bytes_.size()) decode_output_bytes_[i] = bytes;
-          return io_->fetch_output(out, host, bytes);
-        });
+        if (decode && i < decode_output_bytes_.size()) decode_output_bytes_[i] = output_bytes(out);
+        return copy_output(i, out, args[first_output + i],
+                           [&](void* host, size_t bytes) { return io_->fetch_output(out, host, bytes); });
       },
       [&]() { return io_->finish(); });
 }
