@@ -34,6 +34,7 @@ _GGUF_BLOCK = {  # model.py name -> llama.cpp name, stated here independently of
     "feed_forward.w3.weight": "ffn_up.weight", "attention_norm.weight": "attn_norm.weight",
     "ffn_norm.weight": "ffn_norm.weight",
     "attention.wq.bias": "attn_q.bias", "attention.wk.bias": "attn_k.bias", "attention.wv.bias": "attn_v.bias",
+    "attention.q_norm.weight": "attn_q_norm.weight", "attention.k_norm.weight": "attn_k_norm.weight",
 }
 _GGUF_TOP = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
              "output.weight": "output.weight"}
@@ -95,6 +96,9 @@ def write_gguf(path: Path, model: Transformer, arch: str = "llama",
     w.add_layer_norm_rms_eps(a.norm_eps)
     w.add_rope_freq_base(a.rope_theta)
     w.add_rope_dimension_count(a.head_dim)
+    if a.attention_head_dim:  # llama.cpp's converter writes a head_dim the config states
+        w.add_key_length(a.head_dim)
+        w.add_value_length(a.head_dim)
     w.add_vocab_size(a.vocab_size)
     if metadata:
         metadata(w)
@@ -346,4 +350,34 @@ def test_a_bias_on_some_layers_only_is_named(tmp_path: Path) -> None:
 
     path = write_gguf(tmp_path / "b.gguf", small_model(), mutate=one_bias)
     with pytest.raises(ValueError, match="missing tensor for model tensor 'layers.1.attention.wq.bias'"):
+        gguf_import.load_gguf(path)
+
+
+def test_qwen3_gguf_with_qk_norms_loads_like_transformers_gguf_loader(tmp_path: Path) -> None:
+    """llama.cpp's qwen3: per-head attn_q_norm / attn_k_norm, q/k rows unpermuted (half-split RoPE).
+    Heads of 128 (attention.key_length): transformers' GGUF loader does not read the key length and
+    takes Qwen3Config's default 128, so only that width can be compared with it."""
+    model = small_model(qk_norm=True, attention_head_dim=128)
+    with torch.no_grad():  # norms away from 1, so a swapped or dropped q/k norm shows
+        for name, p in model.named_parameters():
+            if "q_norm" in name or "k_norm" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    path = write_gguf(tmp_path / "q3.gguf", model, arch="qwen3")
+    loaded = gguf_import.load_gguf(path)
+    assert loaded.args.qk_norm and loaded.args.head_dim == 128 and not loaded.args.qkv_bias
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[name], t, atol=0, rtol=0, msg=name)
+    got = logits_of(loaded.model, TOKENS)
+    torch.testing.assert_close(got, logits_of(model, TOKENS), atol=1e-5, rtol=1e-5)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(got, hf(TOKENS, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+
+    # A qwen3 file without its k norms is named; so is a llama file with q norms (test_unused_tensor_is_named).
+    path = write_gguf(tmp_path / "no_norm.gguf", model, arch="qwen3",
+                      mutate=lambda t: t.pop("blk.1.attn_k_norm.weight"))
+    with pytest.raises(ValueError, match="missing tensor for model tensor 'layers.1.attention.k_norm.weight'"
+                                         " .GGUF name 'blk.1.attn_k_norm.weight'"):
         gguf_import.load_gguf(path)

@@ -78,6 +78,10 @@ _HF_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_
                  num_key_value_heads=2, vocab_size=300)
 _QWEN2_SLIDING = dict(tie_word_embeddings=True, rope_theta=1e6, use_sliding_window=True, sliding_window=4,
                       max_window_layers=1, max_position_embeddings=256)
+# Qwen3 as Qwen2 is, with heads wider than hidden_size / heads (as Qwen3's 128 are) and linear RoPE
+# scaling, so one small model covers both new features.
+_QWEN3_SLIDING = dict(_QWEN2_SLIDING, head_dim=24,
+                      rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6})
 
 
 def _saved_transformers_model(path: Path, family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -267,8 +271,8 @@ def test_hf_unused_tensor_is_named(tmp_path: Path) -> None:
 
 
 def test_hf_unknown_architecture_is_named(tmp_path: Path) -> None:
-    d = _write_hf(tmp_path, tiny_args(), config_update={"architectures": ["Qwen3ForCausalLM"]})
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+    d = _write_hf(tmp_path, tiny_args(), config_update={"architectures": ["Gemma3ForCausalLM"]})
+    with pytest.raises(ValueError, match="unsupported architecture 'Gemma3ForCausalLM'"):
         checkpoint.load_hf(d)
 
 
@@ -316,6 +320,108 @@ def test_hf_qwen2_with_qkv_biases_and_sliding_layers_gives_transformers_logits(t
     again = checkpoint.load_hf(_write_hf(tmp_path / "ours", loaded.args)).args
     assert (again.qkv_bias, again.out_bias, again.tie_embeddings, again.layer_policies()) == \
         (True, False, True, loaded.args.layer_policies())
+
+
+def _logits_agree_with_transformers_reading_our_writer(tmp_path: Path, loaded: "checkpoint.LoadedCheckpoint",
+                                                      tokens: torch.Tensor) -> None:
+    """hf_config + to_hf_state_dict of ``loaded``, read by transformers itself, give ``loaded``'s logits
+    (so the config writes every field transformers needs to build the same model)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    tmp_path.mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(checkpoint.hf_config(loaded.args)))
+    save_file(checkpoint.to_hf_state_dict(loaded.model), str(tmp_path / "model.safetensors"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    with torch.no_grad():
+        expected = theirs(tokens, use_cache=False).logits
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [tokens.shape[1]]), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_hf_llama_mlp_bias_gives_transformers_logits(tmp_path: Path) -> None:
+    """Llama's mlp_bias: biases on the gate, up and down projections; written back by hf_config."""
+    hf = _saved_transformers_model(tmp_path / "ckpt", "Llama", mlp_bias=True)
+    loaded = checkpoint.load_hf(tmp_path / "ckpt")
+    assert loaded.args.mlp_bias and not loaded.args.qkv_bias
+    assert loaded.model.layers[1].feed_forward.w2.bias is not None
+    tokens = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 3]), expected, atol=2e-5, rtol=1e-4)
+    assert checkpoint.hf_config(loaded.args)["mlp_bias"] is True
+    _logits_agree_with_transformers_reading_our_writer(tmp_path / "ours", loaded, tokens)
+
+
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling-4.x"])
+def test_hf_linear_rope_scaling_gives_transformers_logits(tmp_path: Path, spelling: str) -> None:
+    """rope_type linear: positions divided by the factor. transformers 5 writes rope_parameters;
+    4.x configs say rope_scaling {"type": "linear"}, which must read the same."""
+    hf = _saved_transformers_model(tmp_path / "ckpt", "Llama",
+                                   rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    if spelling != "rope_parameters":
+        config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+        config.pop("rope_parameters")
+        config.update(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})
+        (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    loaded = checkpoint.load_hf(tmp_path / "ckpt")
+    assert loaded.args.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    tokens = torch.randint(0, 300, (1, 20), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    got = eager_steps(loaded.model, tokens, [12, 1, 1, 6])
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+    # The scaling matters at these positions (the comparison would be blind otherwise).
+    plain = checkpoint.build_model(ModelArgs(**{**loaded.args.to_dict(), "rope_scaling": None}),
+                                   loaded.model.state_dict())[0]
+    assert (eager_steps(plain, tokens, [20]) - expected).abs().max() > 1e-2
+    _logits_agree_with_transformers_reading_our_writer(tmp_path / "ours", loaded, tokens)
+
+
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["no-bias", "attention-bias"])
+def test_hf_qwen3_with_qk_norms_gives_transformers_logits(tmp_path: Path, attention_bias: bool) -> None:
+    """Qwen3: per-head q/k RMSNorms before RoPE, an explicit head_dim, Qwen2's sliding layers,
+    attention_bias on all four projections."""
+    hf = _saved_transformers_model(tmp_path / "ckpt", "Qwen3", attention_bias=attention_bias, **_QWEN3_SLIDING)
+    loaded = checkpoint.load_hf(tmp_path / "ckpt")
+    a = loaded.args
+    assert a.qk_norm and a.head_dim == 24 and (a.qkv_bias, a.out_bias) == (attention_bias, attention_bias)
+    assert [p.window for p in a.layer_policies()] == [0, 4]
+    assert loaded.model.layers[0].attention.q_norm.weight.shape == (24,)
+    tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 1, 3, 1, 1]), expected, atol=2e-5, rtol=1e-4)
+    config = checkpoint.hf_config(a)
+    assert (config["architectures"], config["attention_bias"]) == (["Qwen3ForCausalLM"], attention_bias)
+    _logits_agree_with_transformers_reading_our_writer(tmp_path / "ours", loaded, tokens)
+
+
+def test_hf_qwen3_without_head_dim_takes_transformers_default(tmp_path: Path) -> None:
+    # Qwen3Config's head_dim defaults to 128 (not hidden_size / heads): a config without one means 128.
+    d = _write_hf(tmp_path, tiny_args(qk_norm=True, attention_head_dim=128), config_update={"head_dim": None})
+    assert checkpoint.load_hf(d).args.head_dim == 128
+
+
+def test_hf_unsupported_rope_mlp_bias_and_qwen3_settings_are_refused_naming_the_field() -> None:
+    cases = {
+        "yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        "dynamic 4.x": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+        "linear without factor": ({"rope_scaling": {"rope_type": "linear"}},
+                                  r"rope scaling \(linear\) has no 'factor'"),
+        "linear factor 0": ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "'factor' must be positive"),
+        "partial rotary": ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+        "mlp_bias on qwen2": ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "mlp_bias": True},
+                              "mlp_bias=true, which Qwen2ForCausalLM does not read"),
+        "mlp_bias not a bool": ({"mlp_bias": "yes"}, "'mlp_bias' must be true or false, got 'yes'"),
+    }
+    for update, message in cases.values():
+        with pytest.raises(ValueError, match=message):
+            checkpoint.hf_args({**checkpoint.hf_config(tiny_args()), **update})
+    # Shapes a Hugging Face config cannot state are refused when writing one, not written wrong.
+    with pytest.raises(ValueError, match="Qwen2ForCausalLM config has no MLP biases"):
+        checkpoint.hf_config(tiny_args(qkv_bias=True, mlp_bias=True))
+    with pytest.raises(ValueError, match="Qwen3 config has q/k/v biases only with an output-projection bias"):
+        checkpoint.hf_config(tiny_args(qk_norm=True, qkv_bias=True))
 
 
 def test_hf_damaged_or_quantized_checkpoints_are_refused_naming_the_problem(tmp_path: Path) -> None:
@@ -589,6 +695,33 @@ def test_qwen2_checkpoint_exported_from_its_directory_gives_transformers_logits(
     finally:
         offgraph_kv.runtime.configure()
     ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(ids, use_cache=False).logits[0, 9:]
+    got = [method.execute([ids[:, :10], positions(0, 10)])[0][0, -1]]
+    for i in range(10, 24):
+        got.append(method.execute([ids[:, i:i + 1], positions(i, 1)])[0][0, -1])
+    torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=1e-4)
+    assert offgraph_kv.runtime.stores()[-1].metrics()["growths"] >= 1
+
+
+def test_qwen3_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:
+    """A Hugging Face Qwen3 directory (per-head q/k norms, head_dim 24 on a 64-wide stream, linear RoPE
+    scaling, tied embeddings, a flat layer then a sliding-window one) through export.py --hf-dir and the
+    ExecuTorch runtime: transformers' logits across the window and a growth."""
+    hf = _saved_transformers_model(tmp_path / "ckpt", "Qwen3", seed=2, **_QWEN3_SLIDING)
+    out = tmp_path / "qwen3.pte"
+    assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
+                        "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
+    side = json.loads(export.sidecar_path(out).read_text())["model_args"]
+    assert side["qk_norm"] and side["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    import offgraph_kv.runtime
+
+    offgraph_kv.runtime.configure(initial_capacity=8)
+    try:
+        method = offgraph_kv.runtime.load_method(out)
+    finally:
+        offgraph_kv.runtime.configure()
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         want = hf(ids, use_cache=False).logits[0, 9:]
     got = [method.execute([ids[:, :10], positions(0, 10)])[0][0, -1]]

