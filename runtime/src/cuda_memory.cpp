@@ -344,6 +344,7 @@ class CudaStreamMemory final : public DeviceMemory {
     cudaStreamSynchronize(stream_);
   }
   void synchronize() override { cudaStreamSynchronize(stream_); }
+  std::shared_mutex* turns() override { return &owner_->turns(); }
   void return_unused() override {
     if (pool_ == nullptr) return;  // the default pool is shared with the process: not ours to trim
     cudaStreamSynchronize(stream_);  // queued frees must have happened to be returned

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <shared_mutex>
 #include <string>
 
 #include "copy_mode.h"
@@ -29,9 +30,13 @@ class CudaStream {
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
   cudaStream_t get() const { return stream_; }
+  // Who may enqueue on this stream: steps share it, a capture holds it alone
+  // (everything enqueued on a capturing stream, from any thread, joins the graph).
+  std::shared_mutex& turns() { return turns_; }
 
  private:
   cudaStream_t stream_;
+  std::shared_mutex turns_;
 };
 
 // KV storage: stream-ordered memory from a pool of its own (nullptr and a

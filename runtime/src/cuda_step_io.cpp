@@ -24,16 +24,6 @@ namespace {
 // each extra session ~36 MB of device memory beyond its KV (H200, 2026-12-01).
 // Work of different sessions is independent, so queuing it on one stream is
 // correct; finish() then also waits for another thread's queued step.
-// Who may enqueue on each device's shared stream (StepIO::turns).
-std::shared_mutex& stream_turns(int device) {
-  static std::mutex mu;
-  static std::map<int, std::unique_ptr<std::shared_mutex>> turns;
-  std::lock_guard<std::mutex> lock(mu);
-  std::unique_ptr<std::shared_mutex>& t = turns[device];
-  if (!t) t = std::make_unique<std::shared_mutex>();
-  return *t;
-}
-
 std::shared_ptr<CudaStream> shared_execution_stream(Status* status) {
   static std::mutex mu;
   static std::map<int, std::weak_ptr<CudaStream>> streams;
@@ -93,9 +83,7 @@ class CudaStepIO final : public StepIO {
     std::shared_ptr<CudaStream> stream = shared_execution_stream(status);
     if (!stream) return nullptr;
     io->stream_ = stream->get();
-    int device = 0;
-    cudaGetDevice(&device);
-    io->turns_ = &stream_turns(device);
+    io->turns_ = &stream->turns();  // the stream outlives io: memory_ and staging_ hold it
     // KV arenas come from a pool of their own (cuda_memory.h says why).
     io->memory_ = cuda_kv_memory(stream, copies, status);
     if (!io->memory_) return nullptr;
@@ -185,19 +173,20 @@ class CudaStepIO final : public StepIO {
 
   Status download_fixed(size_t index, const OutputView& out, size_t bytes) override {
     if (bytes == 0) return Status::ok_status();
-    if (index >= fixed_outputs_.size() || fixed_outputs_[index].bytes() < bytes)
+    void* fixed = fixed_output(index, bytes);
+    if (!fixed)
       return Status(Error::InvalidState, "output " + std::to_string(index) + " of the captured step needs " +
                                              std::to_string(bytes) + " bytes, more than the first decode step's");
-    const cudaError_t e =
-        cudaMemcpyAsync(fixed_outputs_[index].data(), out.data, bytes, cudaMemcpyDeviceToHost, stream_);
+    const cudaError_t e = cudaMemcpyAsync(fixed, out.data, bytes, cudaMemcpyDeviceToHost, stream_);
     return e == cudaSuccess ? Status::ok_status() : Status(Error::Internal, cuda_error("output download", e));
   }
 
   Status read_fixed(size_t index, void* host, size_t bytes) override {
     if (bytes == 0) return Status::ok_status();
-    if (index >= fixed_outputs_.size() || fixed_outputs_[index].bytes() < bytes)
+    const void* fixed = fixed_output(index, bytes);
+    if (!fixed)
       return Status(Error::InvalidState, "output " + std::to_string(index) + " was not downloaded by the captured step");
-    std::memcpy(host, fixed_outputs_[index].data(), bytes);
+    std::memcpy(host, fixed, bytes);
     return Status::ok_status();
   }
 
@@ -251,6 +240,12 @@ class CudaStepIO final : public StepIO {
   std::vector<FixedInput> fixed_;         // inputs of captured steps (stage_input_fixed)
   std::vector<Buffer> fixed_outputs_;  // where captured steps leave their outputs (pinned)
   std::shared_mutex* turns_ = nullptr;
+
+  // Output `index`'s pinned memory when it holds at least `bytes`, else nullptr.
+  void* fixed_output(size_t index, size_t bytes) {
+    return index < fixed_outputs_.size() && fixed_outputs_[index].bytes() >= bytes ? fixed_outputs_[index].data()
+                                                                                   : nullptr;
+  }
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <shared_mutex>
 #include <utility>
 #include <vector>
 
@@ -72,6 +73,9 @@ class DeviceMemory {
   }
   // Whether growth="auto" maps on this memory (where it measured better than copying).
   virtual bool maps_by_default() const { return false; }
+  // The lock of the stream this memory's work is queued on, shared with the
+  // steps on it (nullptr: work completes on return, nothing to order).
+  virtual std::shared_mutex* turns() { return nullptr; }
 };
 
 // 64-byte aligned host memory.

@@ -276,6 +276,11 @@ Binding KVStore::fixed_binding(size_t i) const {
   return {data_of(i), int64_t(reservation_ ? policy_.max_capacity : capacity_)};
 }
 
+std::shared_lock<std::shared_mutex> KVStore::control_turn() const {
+  std::shared_mutex* turns = memory_->turns();
+  return turns ? std::shared_lock<std::shared_mutex>(*turns) : std::shared_lock<std::shared_mutex>();
+}
+
 Status KVStore::rewind(size_t n) {
   if (pending_ != 0) return Status(Error::InvalidState, "rewind during a step");
   if (n > length_)
@@ -297,12 +302,14 @@ Status KVStore::rewind(size_t n) {
                         std::to_string(policy_.rewind_budget) + " (a load-time option) buys more");
     }
   }
+  const auto turn = control_turn();
   clear_ring_positions(to, length_);
   length_ = to;
   return Status::ok_status();
 }
 
 Status KVStore::reset(bool release_memory) {
+  const auto turn = control_turn();
   pending_ = 0;
   clear_ring_positions(0, std::numeric_limits<size_t>::max());  // every slot
   length_ = 0;

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -115,6 +116,10 @@ class KVStore {
   size_t rows_of(size_t i, size_t flat_capacity) const;
   // Zero the ring slots of positions [from, to) (every slot when the range is at least a ring).
   void clear_ring_positions(size_t from, size_t to);
+  // The control face (rewind, reset, save, load) queues device work outside
+  // any step: it takes a turn on the memory's stream as a step does, so a
+  // capture on another thread cannot record it.
+  std::shared_lock<std::shared_mutex> control_turn() const;
   size_t bytes_at(size_t flat_capacity) const;
   // All-or-nothing: either every flat tensor moves to `new_capacity` with its
   // committed rows, or nothing changes. Copy growth: one allocation and one

@@ -100,6 +100,7 @@ Status KVStore::save_context(const std::string& path) const {
     put(&out, s.rows);
     put(&out, s.row_bytes);
   }
+  const auto turn = control_turn();
   for (size_t i = 0; i < tensors_.size(); ++i) {
     const Span& s = spans[i];
     const size_t at = out.size();
@@ -191,6 +192,7 @@ Status KVStore::load_context(const std::string& path) {
   if (r.left() != 0) return bad_file(path, "trailing bytes");
 
   // Everything checked: make room (all-or-nothing), then copy in.
+  const auto turn = control_turn();
   if (has_flat_ && length > capacity_) {
     Status s = resize_flat(next_capacity(policy_, capacity_, length), 0);
     if (!s.ok()) return s;
