@@ -25,7 +25,7 @@ from offgraph_kv.backend.private_tensors import (
     length_input_index,
     private_tensor_examples,
 )
-from offgraph_kv.backend.step_width import locate
+from offgraph_kv.backend.step_width import export_upper_bound, locate
 from offgraph_kv.backend.storage_omission import prove_storage_omission
 from offgraph_kv.backend.weights import add_weights_to_store, check_weights_are_read_only, weights_in_code_requested
 from offgraph_kv.schemas.manifest import (
@@ -98,9 +98,8 @@ def describe_inputs(ep: ExportedProgram, inputs: List[torch.fx.Node], width: "in
             elif isinstance(width, torch.SymInt) and size.node.expr == width.node.expr:
                 dims.append(InputDim("width", 0))
             else:
-                upper = ep.range_constraints[size.node.expr].upper if size.node.expr in ep.range_constraints else None
-                bounded = upper is not None and upper.is_finite and int(upper) < 2**62
-                dims.append(InputDim("dynamic", int(upper) if bounded else 0))
+                upper = export_upper_bound(ep, size)
+                dims.append(InputDim("dynamic", upper if upper is not None and upper < 2**62 else 0))
         out.append(UserInput(val.dtype, dims))
     return out
 
@@ -175,11 +174,12 @@ def validate_manifest(manifest: Manifest, compiled: ExportedProgram) -> None:
 
 
 def compiled_interface(compiled: ExportedProgram, width_bound: int, weights_in_code: bool,
-                       lengths_from_device: bool = False) -> CompiledInterface:
+                       lengths_from_device: bool = False, ring_windows: Sequence[int] = ()) -> CompiledInterface:
     """What the compiled code takes, read from the program AOTInductor compiled:
     the runtime checks the manifest against this, so it must not come from the
     manifest. ``lengths_from_device``: every layer attends through our kernels,
-    which read the length from device memory (``triton_attention.py``)."""
+    which read the length from device memory (``triton_attention.py``).
+    ``ring_windows``: each layer's window as the code was compiled with it."""
     names = set(compiled.graph_signature.user_inputs)
     inputs = []
     for node in compiled.graph.nodes:
@@ -189,7 +189,7 @@ def compiled_interface(compiled: ExportedProgram, width_bound: int, weights_in_c
         sizes = tuple(-1 if isinstance(n, torch.SymInt) else int(n) for n in val.shape)
         inputs.append((SCALAR_TYPES[val.dtype], sizes))
     return CompiledInterface(tuple(inputs), len(compiled.graph_signature.user_outputs), width_bound, weights_in_code,
-                             lengths_from_device)
+                             lengths_from_device, tuple(int(w) for w in ring_windows))
 
 
 class OffGraphKVBackend(BackendDetails):
@@ -207,8 +207,10 @@ class OffGraphKVBackend(BackendDetails):
         # that does not name a step-width dim here is an error, never a run.
         locator = locate(sites, [n.name for n in inputs], [n.meta["val"].shape for n in inputs], specs.step_width)
         width = sites[0].width
-        width_bound = int(edge_program.range_constraints[width.node.expr].upper) if isinstance(width, torch.SymInt) \
-            else int(width)
+        width_bound = export_upper_bound(edge_program, width) if isinstance(width, torch.SymInt) else int(width)
+        if width_bound is None:
+            raise LoweringError(f"the step width {width} has no finite export bound; export it with "
+                                "torch.export.Dim(..., max=<widest step>)")
         if not 1 <= specs.max_write <= width_bound:
             raise LoweringError(f"max_write {specs.max_write} must be in [1, {width_bound}] (the export bound of the step width)")
         described = describe_inputs(edge_program, inputs, width, locator)
@@ -252,7 +254,8 @@ class OffGraphKVBackend(BackendDetails):
             check_weights_are_read_only(compiled_ep)
         code = compile_shared_object(compiled_ep, examples + private, device, weights_in_code=weights_in_code)
         so_bytes = code.so_bytes
-        interface = compiled_interface(compiled_ep, width_bound, weights_in_code, lengths_from_device=kernels).to_bytes()
+        interface = compiled_interface(compiled_ep, width_bound, weights_in_code, lengths_from_device=kernels,
+                                       ring_windows=windows).to_bytes()
         # One digest over the code and what it takes: the load verifies both.
         code_key = "offgraph_kv_" + hashlib.sha256(so_bytes + interface).hexdigest()[:32] + "_so"
 

@@ -62,8 +62,8 @@ def read_site(node: fx.Node) -> CacheOpSite:
         raise LoweringError(f"{node.name}: q, k and v must be 4-D [B, H, T, D], got {list(qs)}, {list(ks)}, {list(vs)}")
     if not isinstance(layer_id, int):
         raise LoweringError(f"{node.name}: layer_id must be a constant int, got {layer_id!r}")
-    if qs[0] != 1:
-        raise LoweringError(f"{node.name} (layer {layer_id}): batch must be 1, got {qs[0]}")
+    if qs[0] != 1 or ks[0] != 1 or vs[0] != 1:
+        raise LoweringError(f"{node.name} (layer {layer_id}): batch must be 1, got q {qs[0]}, k {ks[0]}, v {vs[0]}")
     if isinstance(qs[1], torch.SymInt) or isinstance(ks[1], torch.SymInt) or isinstance(qs[3], torch.SymInt):
         raise LoweringError(f"{node.name} (layer {layer_id}): head counts and head dim must be static")
     if qs[1] % ks[1] != 0:
@@ -75,6 +75,9 @@ def read_site(node: fx.Node) -> CacheOpSite:
         raise LoweringError(f"{node.name} (layer {layer_id}): k {list(ks)} and v {list(vs)} do not match q {list(qs)}")
     if isinstance(vs[3], torch.SymInt):
         raise LoweringError(f"{node.name} (layer {layer_id}): v head dim must be static")
+    if ks[1] < 1 or ks[3] < 1 or vs[3] < 1:
+        raise LoweringError(f"{node.name} (layer {layer_id}): heads and head dims must be at least 1, "
+                            f"got {ks[1]} KV heads, head dims {ks[3]} (k) and {vs[3]} (v)")
     # The op's contract: position is [q_len, n_dims] ints, one row per query token.
     # This store appends at its committed length (as the reference cache does),
     # so it reads no position values, but the layout must still be the op's.

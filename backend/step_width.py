@@ -18,6 +18,20 @@ from offgraph_kv.backend.cache_ops import CacheOpSite, LoweringError, same_size
 from offgraph_kv.backend.compile_specs import StepWidth
 
 
+def export_upper_bound(ep: ExportedProgram, size: torch.SymInt) -> Optional[int]:
+    """The export's upper bound of a symbolic extent, or None when it has none
+    (``Dim.DYNAMIC`` / ``Dim.AUTO``: torch's unbounded ``int_oo`` calls itself
+    finite, and ``int()`` of it fails, so neither test alone is enough)."""
+    upper = ep.range_constraints.get(size.node.expr)
+    if upper is None:
+        return None
+    upper = upper.upper
+    try:
+        return int(upper) if upper.is_finite else None
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
 def shape_of(node: torch.fx.Node) -> Optional[torch.Size]:
     val = node.meta.get("val")
     return val.shape if isinstance(val, torch.Tensor) else None

@@ -159,14 +159,16 @@ class CompiledInterface:
     """What the compiled code itself takes, recorded at export from the program
     AOTInductor compiled (not from the manifest): each input's dtype and sizes
     (-1 for an extent chosen at run time), the outputs, the width bound, and
-    whether the constants are packaged in the code, and whether the attention
-    reads the length from device memory (extents are then only bounds)."""
+    whether the constants are packaged in the code, whether the attention
+    reads the length from device memory (extents are then only bounds), and
+    each layer's ring window as compiled (0: flat)."""
 
     inputs: Tuple[Tuple[int, Tuple[int, ...]], ...]  # (c10 dtype code, sizes)
     num_outputs: int
     width_bound: int
     weights_in_code: bool
     lengths_from_device: bool = False
+    ring_windows: Tuple[int, ...] = ()
 
     def to_bytes(self) -> bytes:
         import flatbuffers
@@ -179,6 +181,7 @@ class CompiledInterface:
             t.inputs.append(i)
         t.numOutputs, t.widthBound, t.weightsInCode = self.num_outputs, self.width_bound, self.weights_in_code
         t.lengthsFromDevice = self.lengths_from_device
+        t.ringWindows = list(self.ring_windows) if self.ring_windows else None
         builder = flatbuffers.Builder(256)
         builder.Finish(t.Pack(builder))
         return bytes(builder.Output())
@@ -187,7 +190,8 @@ class CompiledInterface:
     def from_bytes(cls, data: bytes) -> "CompiledInterface":
         t = fb.CompiledInterfaceT.InitFromPackedBuf(bytearray(data), 0)
         inputs = tuple((i.dtype, tuple(int(x) for x in (i.sizes if i.sizes is not None else ()))) for i in t.inputs or ())
-        return cls(inputs, t.numOutputs, t.widthBound, bool(t.weightsInCode), bool(t.lengthsFromDevice))
+        windows = tuple(int(w) for w in t.ringWindows) if t.ringWindows is not None else ()
+        return cls(inputs, t.numOutputs, t.widthBound, bool(t.weightsInCode), bool(t.lengthsFromDevice), windows)
 
 
 @dataclass

@@ -86,3 +86,47 @@ def test_cpp_greedy_loop_names_bad_requests_and_keeps_the_steps_before_a_failure
         host.decode_greedy([prompt(1), positions(10, 1)], steps=10**12)  # the third step is past max_capacity
     assert "beyond max_capacity 12" in capfd.readouterr().err
     assert host.store.length == 12
+
+
+def test_control_calls_from_another_thread_wait_for_the_step_instead_of_changing_the_store_under_it(pte_factory,
+                                                                                                   tmp_path):
+    import threading
+    import time
+
+    # decode_greedy releases the GIL for its whole loop: reset, rewind, save and
+    # metrics from another thread used to land mid-step (reset crashed the step).
+    path = pte_factory(storage_dtype=torch.float32, initial_capacity=8)
+    host = HostMethod(path)
+    store = rt.latest_store()
+    stop, errors, rounds = threading.Event(), [], [0]
+
+    def generate() -> None:
+        while not stop.is_set():
+            try:
+                host.decode_greedy([torch.tensor([[1]]), positions(store.length, 1)], 40)
+                rounds[0] += 1
+            except Exception as e:  # noqa: BLE001 - any failure of a step is the test's failure
+                errors.append(repr(e))
+                return
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    calls, end = 0, time.monotonic() + 3
+    while time.monotonic() < end and worker.is_alive():
+        store.reset(release_memory=calls % 2 == 0)
+        store.metrics()
+        try:
+            store.rewind(1)
+        except ValueError:
+            pass  # nothing to rewind right after the reset
+        store.save(str(tmp_path / "ctx.ogkv"))
+        calls += 1
+    stop.set()
+    worker.join()
+    assert not errors, errors
+    assert rounds[0] > 0 and calls > 0
+    # The store still works: a fresh start gives what a fresh method gives.
+    store.reset()
+    fresh = HostMethod(path)
+    first = [m.execute([prompt(5), positions(0, 5)])[0] for m in (host, fresh)]
+    assert torch.equal(first[0], first[1])

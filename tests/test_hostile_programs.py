@@ -121,6 +121,24 @@ def test_a_swapped_length_input_is_refused_at_load(pte_factory, tmp_path, capfd)
     assert f"at compiled input {m.length_input}, the code takes Long [1] there" in err
 
 
+@pytest.mark.parametrize("window", [2, 9])
+def test_an_edited_ring_window_is_refused_at_load_naming_the_layer(pte_factory, tmp_path, capfd, window):
+    # The code bakes each ring's band in; a manifest window it disagrees with
+    # would size the ring's slots for another band (too few: keys still in the
+    # window are overwritten; the logits go wrong with no error).
+    from executorch.extension.llm.cache.reference_cache import LayerPolicy
+
+    src = pte_factory(storage_dtype=torch.float32, initial_capacity=8,
+                      layers=(LayerPolicy.ring(6), LayerPolicy.flat(), LayerPolicy.ring(16)), max_write=8)
+    at, m, encoded = _manifest_span(src.read_bytes())
+    edited = replace(m, tensors=[replace(t, window=window) if t.layer == 0 else t for t in m.tensors])
+    new = edited.to_bytes()
+    assert len(new) == len(encoded)
+    err = _load_error(_patched(src, tmp_path / f"window{window}.pte", at, new), capfd)
+    assert "manifest does not match the compiled code" in err
+    assert f"layer 0 is a ring of window {window}, the code attends it as a ring of window 6" in err
+
+
 def test_load_and_drop_cycles_leak_neither_memory_nor_mapped_code(src):
     child = _run_child("""
         import gc, os

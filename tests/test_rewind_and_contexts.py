@@ -80,6 +80,7 @@ def test_truncate_and_can_extend(pte_factory):
     with pytest.raises(ValueError, match="holds only 10"):
         store.truncate(11)
     assert store.can_extend(4086) and not store.can_extend(1 << 30)
+    assert not store.can_extend(2**64 - 1) and not store.can_extend(2**64 - 8)  # no wrap past max_capacity
 
 
 def test_rewind_beyond_what_a_ring_keeps_is_refused_naming_the_budget_and_changes_nothing(pte_factory, model):
@@ -180,3 +181,48 @@ def test_a_saved_context_from_another_program_or_damaged_is_refused_and_the_stor
     assert fresh.store.length == session.store.length
     fresh.length = fresh.store.length
     fresh.step(torch.tensor([[hist[-1]]]))
+
+
+def _resealed(body: bytes) -> bytes:
+    """A saved context's body with fresh block CRCs (what a crafted file carries): only the reader's own checks
+    stand between it and the store."""
+    import zlib
+
+    block = 4 << 20
+    crcs = [zlib.crc32(body[i:i + block]) for i in range(0, len(body), block)]
+    return body + b"".join(c.to_bytes(4, "little") for c in crcs) + len(crcs).to_bytes(4, "little")
+
+
+def test_a_crafted_ring_span_with_valid_checksums_is_refused_naming_the_tensor(pte_factory, tmp_path):
+    session, hist = _start(_pte(pte_factory, MIXED), 12)
+    good = tmp_path / "good.ogkv"
+    session.store.save(str(good))
+    data = good.read_bytes()
+    blocks = int.from_bytes(data[-4:], "little")
+    body = bytearray(data[: len(data) - 4 - 4 * blocks])
+    id_len = int.from_bytes(body[12:16], "little")
+    at = 16 + id_len
+    length, count = int.from_bytes(body[at:at + 8], "little"), int.from_bytes(body[at + 8:at + 12], "little")
+    spans = [at + 12 + 24 * i for i in range(count)]
+    ring = next(i for i in range(count) if int.from_bytes(body[spans[i]:spans[i] + 8], "little") > 0)
+
+    def with_span(first: int, rows: int) -> bytes:
+        b = bytearray(body)
+        b[spans[ring]:spans[ring] + 16] = first.to_bytes(8, "little") + rows.to_bytes(8, "little")
+        return _resealed(bytes(b))
+
+    assert _resealed(bytes(body)) == data  # the test's resealing is the store's own
+    cases = {
+        # first past the length: first + rows wraps to the length in 64 bits.
+        "first past the length": (with_span(length + 2**57, 2**64 - 2**57), "does not match this program's"),
+        "too few rows for the window": (with_span(length - 1, 1), f"tensor {ring} \\(ring layer"),
+    }
+    fresh = load_configured(_pte(pte_factory, MIXED), rewind_budget=BUDGET)
+    for name, (blob, message) in cases.items():
+        path = tmp_path / f"{name}.ogkv"
+        path.write_bytes(blob)
+        with pytest.raises(ValueError, match=message):
+            fresh.store.load(str(path))
+        assert fresh.store.length == 0, name
+    fresh.store.load(str(good))
+    assert fresh.store.length == length

@@ -89,6 +89,8 @@ Status read_compiled_interface(const uint8_t* data, size_t size, CompiledInterfa
   out->width_bound = code->width_bound();
   out->weights_in_code = code->weights_in_code();
   out->lengths_from_device = code->lengths_from_device();
+  out->ring_windows.clear();
+  if (const auto* windows = code->ring_windows()) out->ring_windows.assign(windows->begin(), windows->end());
   return Status::ok_status();
 }
 
@@ -112,6 +114,18 @@ Status check_manifest_against_code(const ManifestInfo& m) {
   }
   for (size_t i = 0; i < m.tensors.size(); ++i) {
     const TensorSpec& t = m.tensors[i];
+    if (!code.ring_windows.empty()) {
+      const uint32_t window = t.kind == LayerKind::Ring ? t.window : 0;
+      if (t.layer >= code.ring_windows.size())
+        return mismatch("tensor " + std::to_string(i) + " is of layer " + std::to_string(t.layer) + ", the code has " +
+                        std::to_string(code.ring_windows.size()) + " layers");
+      if (code.ring_windows[t.layer] != window)
+        return mismatch("layer " + std::to_string(t.layer) + " is " +
+                        (window ? "a ring of window " + std::to_string(window) : std::string("flat")) +
+                        ", the code attends it " +
+                        (code.ring_windows[t.layer] ? "as a ring of window " + std::to_string(code.ring_windows[t.layer])
+                                                    : std::string("as a flat layer")));
+    }
     const CompiledInterfaceInfo::Input& in = code.inputs[t.compiled_input];
     const std::vector<int64_t> want = {1, -1, int64_t(t.num_heads), int64_t(t.head_dim)};
     if (in.dtype != aoti_dtype(t.dtype) || in.sizes != want)

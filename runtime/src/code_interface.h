@@ -27,6 +27,8 @@ struct CompiledInterfaceInfo {
   bool weights_in_code = false;
   // The attention reads the length from device memory; flat extents are bounds only (step_graph.h).
   bool lengths_from_device = false;
+  // Per layer, the ring window compiled in (0: flat); empty in files that predate it.
+  std::vector<uint32_t> ring_windows;
 };
 
 // Verifies and reads the interface FlatBuffer nested in the manifest.

@@ -237,7 +237,9 @@ Status StepExecutor::execute(Span<EValue*> args) {
   size_t width = 0;
   Status s = check_inputs(args, &width);
   if (!s.ok()) return s;
-  // Steps share a CUDA stream with other sessions, a capture holds it alone (StepIO::turns).
+  // The store is this step's until it ends (KVStore::access); then the stream:
+  // steps share a CUDA stream with other sessions, a capture holds it alone (StepIO::turns).
+  const std::lock_guard<std::mutex> held(store_->access());
   std::shared_lock<std::shared_mutex> turn;
   if (std::shared_mutex* turns = io_->turns()) turn = std::shared_lock<std::shared_mutex>(*turns);
   const int64_t start = now_ns();

@@ -282,6 +282,7 @@ std::shared_lock<std::shared_mutex> KVStore::control_turn() const {
 }
 
 Status KVStore::rewind(size_t n) {
+  const std::lock_guard<std::mutex> held(access_);
   if (pending_ != 0) return Status(Error::InvalidState, "rewind during a step");
   if (n > length_)
     return Status(Error::InvalidArgument,
@@ -309,8 +310,9 @@ Status KVStore::rewind(size_t n) {
 }
 
 Status KVStore::reset(bool release_memory) {
+  const std::lock_guard<std::mutex> held(access_);
+  if (pending_ != 0) return Status(Error::InvalidState, "reset during a step");
   const auto turn = control_turn();
-  pending_ = 0;
   clear_ring_positions(0, std::numeric_limits<size_t>::max());  // every slot
   length_ = 0;
   std::fill(kept_from_.begin(), kept_from_.end(), 0);
@@ -325,6 +327,7 @@ Status KVStore::reset(bool release_memory) {
 }
 
 StoreMetrics KVStore::metrics() const {
+  const std::lock_guard<std::mutex> held(access_);
   StoreMetrics m;
   m.length = length_;
   m.capacity = capacity_;

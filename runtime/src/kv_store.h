@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <vector>
@@ -89,7 +90,11 @@ class KVStore {
   // positions after any step. Beyond that: an error naming the budget, nothing changed.
   Status rewind(size_t n);
   // Whether n more tokens fit under max_capacity.
-  bool can_extend(size_t n) const { return length_ + n <= policy_.max_capacity; }
+  // Held by the executor for a whole step, and taken by every control-face
+  // call (rewind, reset, save, load, metrics): a call from another thread
+  // waits for the step to end instead of changing the store under it.
+  std::mutex& access() const { return access_; }
+  bool can_extend(size_t n) const { return n <= policy_.max_capacity && length_ <= policy_.max_capacity - n; }
   // Writes the committed rows of every tensor (rings in position order), the
   // length and the program's identity to `path` (atomically: a temp file,
   // then rename), with a SHA-256 of the whole.
@@ -160,6 +165,7 @@ class KVStore {
   std::vector<size_t> kept_from_;
   size_t capacity_ = 0;  // rows of every flat tensor
   size_t pending_ = 0;   // width of the prepared step, 0 when idle
+  mutable std::mutex access_;
   bool released_arena_ = false;  // an old arena was released since memory was last returned
   size_t allocated_ = 0;
   size_t peak_ = 0;

@@ -11,7 +11,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <fstream>
+#include <limits>
 #include <vector>
 
 #include "checksum.h"
@@ -75,6 +77,7 @@ bool exists_but_not_regular(const std::string& path) {
 }  // namespace
 
 Status KVStore::save_context(const std::string& path) const {
+  const std::lock_guard<std::mutex> held(access_);
   if (pending_ != 0) return Status(Error::InvalidState, "save during a step");
   if (exists_but_not_regular(path))
     return Status(Error::InvalidArgument, "cannot save a context to " + path + ": it exists and is not a regular file");
@@ -141,6 +144,7 @@ Status KVStore::save_context(const std::string& path) const {
 }
 
 Status KVStore::load_context(const std::string& path) {
+  const std::lock_guard<std::mutex> held(access_);
   if (pending_ != 0 || length_ != 0)
     return Status(Error::InvalidState, "load a saved context into an empty store (reset it first); it holds " +
                                            std::to_string(length_) + " positions");
@@ -182,9 +186,19 @@ Status KVStore::load_context(const std::string& path) {
   for (size_t i = 0; i < count; ++i) {
     Span& s = spans[i];
     if (!r.get(&s.first) || !r.get(&s.rows) || !r.get(&s.row_bytes)) return bad_file(path, "truncated header");
-    const bool ring = tensors_[i].kind == LayerKind::Ring;
-    if (s.row_bytes != tensors_[i].row_bytes() || s.first + s.rows != length || (!ring && s.first != 0))
+    const TensorSpec& t = tensors_[i];
+    const bool ring = t.kind == LayerKind::Ring;
+    // first <= length before the sum: a crafted first past the length makes the u64 sum wrap to it.
+    if (s.row_bytes != t.row_bytes() || s.first > length || s.first + s.rows != length || (!ring && s.first != 0))
       return bad_file(path, "tensor " + std::to_string(i) + " does not match this program's");
+    // A ring must hold every position the next query's window reaches back to, as a live store does.
+    const uint64_t needed = std::min<uint64_t>(length, t.window > 0 ? t.window - 1 : 0);
+    if (ring && s.rows < needed)
+      return bad_file(path, "tensor " + std::to_string(i) + " (ring layer " + std::to_string(t.layer) + ", window " +
+                                std::to_string(t.window) + ") keeps " + std::to_string(s.rows) + " positions; " +
+                                std::to_string(needed) + " are needed at length " + std::to_string(length));
+    if (s.row_bytes != 0 && s.rows > std::numeric_limits<size_t>::max() / s.row_bytes)
+      return bad_file(path, "tensor " + std::to_string(i) + " is larger than memory");
   }
   std::vector<const char*> rows(count);
   for (size_t i = 0; i < count; ++i)
