@@ -322,6 +322,24 @@ def test_a_truncated_or_absurdly_counted_gguf_is_refused_clearly(tmp_path: Path)
             gguf_import.load_gguf(path)
 
 
+def _loads_exactly_and_like_transformers(path: Path, model: "torch.nn.Module",
+                                        hf_class: Optional[str] = None) -> "gguf_import.LoadedCheckpoint":
+    """The GGUF import of ``path`` holds ``model``'s tensors bit for bit and gives its logits, and
+    transformers' own GGUF loader (of class ``hf_class`` when given) gives them too."""
+    loaded = gguf_import.load_gguf(path)
+    for name, t in model.state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[name], t, atol=0, rtol=0, msg=name)
+    got = logits_of(loaded.model, TOKENS)
+    torch.testing.assert_close(got, logits_of(model, TOKENS), atol=1e-5, rtol=1e-5)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name).eval()
+    if hf_class is not None:
+        assert type(hf).__name__ == hf_class
+    with torch.no_grad():
+        torch.testing.assert_close(got, hf(TOKENS, use_cache=False).logits, atol=1e-5, rtol=1e-5)
+    return loaded
+
+
 def test_qwen2_gguf_with_qkv_biases_loads_like_transformers_gguf_loader(tmp_path: Path) -> None:
     """llama.cpp writes qwen2 q/k rows unpermuted (it rotates them half-split) and keeps the q/k/v
     biases: the import must equal transformers' own reading of the same file."""
@@ -331,16 +349,8 @@ def test_qwen2_gguf_with_qkv_biases_loads_like_transformers_gguf_loader(tmp_path
             if name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
     path = write_gguf(tmp_path / "q.gguf", model, arch="qwen2")
-    loaded = gguf_import.load_gguf(path)
+    loaded = _loads_exactly_and_like_transformers(path, model)
     assert loaded.args.qkv_bias and not loaded.args.out_bias
-    for name, t in model.state_dict().items():
-        torch.testing.assert_close(loaded.model.state_dict()[name], t, atol=0, rtol=0, msg=name)
-    got = logits_of(loaded.model, TOKENS)
-    torch.testing.assert_close(got, logits_of(model, TOKENS), atol=1e-5, rtol=1e-5)
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(got, hf(TOKENS, use_cache=False).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_a_bias_on_some_layers_only_is_named(tmp_path: Path) -> None:
@@ -363,17 +373,8 @@ def test_qwen3_gguf_with_qk_norms_loads_like_transformers_gguf_loader(tmp_path: 
             if "q_norm" in name or "k_norm" in name:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
     path = write_gguf(tmp_path / "q3.gguf", model, arch="qwen3")
-    loaded = gguf_import.load_gguf(path)
+    loaded = _loads_exactly_and_like_transformers(path, model, "Qwen3ForCausalLM")
     assert loaded.args.qk_norm and loaded.args.head_dim == 128 and not loaded.args.qkv_bias
-    for name, t in model.state_dict().items():
-        torch.testing.assert_close(loaded.model.state_dict()[name], t, atol=0, rtol=0, msg=name)
-    got = logits_of(loaded.model, TOKENS)
-    torch.testing.assert_close(got, logits_of(model, TOKENS), atol=1e-5, rtol=1e-5)
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name).eval()
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(got, hf(TOKENS, use_cache=False).logits, atol=1e-5, rtol=1e-5)
 
     # A qwen3 file without its k norms is named; so is a llama file with q norms (test_unused_tensor_is_named).
     path = write_gguf(tmp_path / "no_norm.gguf", model, arch="qwen3",

@@ -679,6 +679,26 @@ def test_sampling_is_reproducible_from_the_seed_and_respects_top_p() -> None:
     assert run.sample(logits, 0.0, 0.9, torch.Generator()) == 0
 
 
+def _runs_like_transformers(pte: Path, hf: "torch.nn.Module", seed: int) -> None:
+    """``pte`` in the ExecuTorch runtime (initial capacity 8, so it grows): a 10-token prefill, then 14 decode
+    steps, each step's last logits against transformers' over the same 24 tokens."""
+    import offgraph_kv.runtime
+
+    offgraph_kv.runtime.configure(initial_capacity=8)
+    try:
+        method = offgraph_kv.runtime.load_method(pte)
+    finally:
+        offgraph_kv.runtime.configure()
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        want = hf(ids, use_cache=False).logits[0, 9:]
+    got = [method.execute([ids[:, :10], positions(0, 10)])[0][0, -1]]
+    for i in range(10, 24):
+        got.append(method.execute([ids[:, i:i + 1], positions(i, 1)])[0][0, -1])
+    torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=1e-4)
+    assert offgraph_kv.runtime.stores()[-1].metrics()["growths"] >= 1
+
+
 def test_qwen2_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:
     """A Hugging Face Qwen2 directory (q/k/v biases, tied embeddings, a flat layer then a sliding-window
     one) through export.py --hf-dir and the ExecuTorch runtime: transformers' logits across the window
@@ -687,21 +707,7 @@ def test_qwen2_checkpoint_exported_from_its_directory_gives_transformers_logits(
     out = tmp_path / "qwen2.pte"
     assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
                         "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
-    import offgraph_kv.runtime
-
-    offgraph_kv.runtime.configure(initial_capacity=8)
-    try:
-        method = offgraph_kv.runtime.load_method(out)
-    finally:
-        offgraph_kv.runtime.configure()
-    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        want = hf(ids, use_cache=False).logits[0, 9:]
-    got = [method.execute([ids[:, :10], positions(0, 10)])[0][0, -1]]
-    for i in range(10, 24):
-        got.append(method.execute([ids[:, i:i + 1], positions(i, 1)])[0][0, -1])
-    torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=1e-4)
-    assert offgraph_kv.runtime.stores()[-1].metrics()["growths"] >= 1
+    _runs_like_transformers(out, hf, seed=5)
 
 
 def test_qwen3_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:
@@ -714,18 +720,4 @@ def test_qwen3_checkpoint_exported_from_its_directory_gives_transformers_logits(
                         "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
     side = json.loads(export.sidecar_path(out).read_text())["model_args"]
     assert side["qk_norm"] and side["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
-    import offgraph_kv.runtime
-
-    offgraph_kv.runtime.configure(initial_capacity=8)
-    try:
-        method = offgraph_kv.runtime.load_method(out)
-    finally:
-        offgraph_kv.runtime.configure()
-    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        want = hf(ids, use_cache=False).logits[0, 9:]
-    got = [method.execute([ids[:, :10], positions(0, 10)])[0][0, -1]]
-    for i in range(10, 24):
-        got.append(method.execute([ids[:, i:i + 1], positions(i, 1)])[0][0, -1])
-    torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=1e-4)
-    assert offgraph_kv.runtime.stores()[-1].metrics()["growths"] >= 1
+    _runs_like_transformers(out, hf, seed=6)

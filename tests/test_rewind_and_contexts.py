@@ -146,6 +146,16 @@ def test_save_then_load_in_a_new_process_continues_like_the_uninterrupted_run(pt
     torch.testing.assert_close(got, torch.stack(want), atol=TOL, rtol=TOL)
 
 
+def _each_refused(store: object, tmp_path: Path, cases: "dict[str, tuple[bytes, str]]") -> None:
+    """Each case's bytes, written to a file, are refused by ``store.load`` with its message; the store stays empty."""
+    for name, (blob, message) in cases.items():
+        path = tmp_path / f"{name}.ogkv"
+        path.write_bytes(blob)
+        with pytest.raises(ValueError, match=message):
+            store.load(str(path))
+        assert store.length == 0, name
+
+
 def test_a_saved_context_from_another_program_or_damaged_is_refused_and_the_store_stays_usable(pte_factory, tmp_path):
     session, hist = _start(_pte(pte_factory, FLAT), 6)
     good = tmp_path / "good.ogkv"
@@ -164,12 +174,7 @@ def test_a_saved_context_from_another_program_or_damaged_is_refused_and_the_stor
     with pytest.raises(ValueError, match="saved by another program"):
         other.store.load(str(good))
     fresh = load_configured(_pte(pte_factory, FLAT), rewind_budget=BUDGET)
-    for name, (blob, message) in cases.items():
-        path = tmp_path / f"{name}.ogkv"
-        path.write_bytes(blob)
-        with pytest.raises(ValueError, match=message):
-            fresh.store.load(str(path))
-        assert fresh.store.length == 0, name
+    _each_refused(fresh.store, tmp_path, cases)
     with pytest.raises(ValueError, match="not a regular file"):
         fresh.store.load(str(tmp_path))  # a directory
     assert fresh.store.length == 0
@@ -218,11 +223,6 @@ def test_a_crafted_ring_span_with_valid_checksums_is_refused_naming_the_tensor(p
         "too few rows for the window": (with_span(length - 1, 1), f"tensor {ring} \\(ring layer"),
     }
     fresh = load_configured(_pte(pte_factory, MIXED), rewind_budget=BUDGET)
-    for name, (blob, message) in cases.items():
-        path = tmp_path / f"{name}.ogkv"
-        path.write_bytes(blob)
-        with pytest.raises(ValueError, match=message):
-            fresh.store.load(str(path))
-        assert fresh.store.length == 0, name
+    _each_refused(fresh.store, tmp_path, cases)
     fresh.store.load(str(good))
     assert fresh.store.length == length
