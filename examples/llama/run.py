@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import warnings
@@ -324,6 +325,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.max_new_tokens < 0:
         print("error: --max-new-tokens must be >= 0", file=sys.stderr)
         return 2
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        print(f"error: --temperature must be a finite number >= 0 (0 = greedy), got {a.temperature}", file=sys.stderr)
+        return 2
+    if not 0 < a.top_p <= 1:
+        print(f"error: --top-p must be in (0, 1], got {a.top_p}", file=sys.stderr)
+        return 2
+    for flag, text in (("--prompt", a.prompt), ("--system", a.system)):
+        try:
+            if text is not None:
+                text.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes in argv arrive as lone surrogates
+            print(f"error: {flag} is not valid UTF-8", file=sys.stderr)
+            return 2
 
     if a.threads is not None and a.threads < 1:
         print("error: --threads must be >= 1", file=sys.stderr)

@@ -91,11 +91,19 @@ class HFTokenizer(Tokenizer):
 
         self.path = str(path)
         # Its own config parsing assumes string bos/eos entries; read the config here instead.
-        self._impl = HuggingFaceTokenizer(str(path), None)
+        try:
+            self._impl = HuggingFaceTokenizer(str(path), None)
+        except Exception as e:  # the tokenizers library raises a bare Exception for a broken file
+            raise ValueError(f"tokenizer {path} is not a readable tokenizer.json: {e}") from e
         self._model = self._impl.model
         self.vocab_size = self._model.get_vocab_size()
         config_path = path.parent / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{config_path} is not valid JSON: {e}") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path} must hold a JSON object")
         self.chat_template: Optional[str] = config.get("chat_template")
         template_file = path.parent / "chat_template.jinja"  # where transformers 5 saves it
         if self.chat_template is None and template_file.is_file():
