@@ -142,9 +142,24 @@ def load_method(path: Union[str, Path], method: str = "forward") -> object:
     where its bindings match this process's torch, else through ``HostMethod``
     (``OFFGRAPH_KV_HOST_RUNNER=1`` forces the latter). Either has ``execute(inputs)``,
     and either raises ``RuntimeError`` with the delegate's message."""
+    check_program_file(path)
     if os.environ.get("OFFGRAPH_KV_HOST_RUNNER") != "1" and pybindings_match_torch():
         return RuntimeMethod(path, method)
     return HostMethod(path, method)
+
+
+def check_program_file(path: Union[str, Path]) -> None:
+    """Refuse what is plainly not a .pte before ExecuTorch's loader sees it: executorch.runtime
+    logs the file's FlatBuffer identifier as text, and identifier bytes that are not UTF-8
+    abort the process from inside its log callback."""
+    p = Path(path)
+    if not p.is_file():
+        raise RuntimeError(f"loading program {p}: {'not a regular file' if p.exists() else 'no such file'}")
+    with open(p, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or not head[4:8].isascii() or not head[4:6] == b"ET":
+        raise RuntimeError(f"loading program {p}: not an ExecuTorch program (no 'ET' FlatBuffer identifier "
+                           f"at bytes 4-8, found {head[4:8]!r})")
 
 
 class Sessions:

@@ -260,6 +260,28 @@ def test_a_block_past_block_count_is_named(tmp_path: Path) -> None:
         gguf_import.load_gguf(path)
 
 
+@pytest.mark.parametrize("field, value, named", [
+    ("attention.head_count", 0, "attention.head_count' .0. must be >= 1"),
+    ("rope.freq_base", 0.0, "RoPE base .rope_theta. must be a finite number > 0"),
+    ("attention.layer_norm_rms_epsilon", float("nan"), "RMSNorm epsilon must be a finite number >= 0"),
+    ("block_count", 2**24, "states 16777216 layers, its tensors hold only 2"),
+], ids=["head_count-0", "freq_base-0", "rms_eps-nan", "block_count-huge"])
+def test_metadata_no_model_computes_with_is_named_before_anything_is_built(tmp_path: Path, field: str, value: object,
+                                                                           named: str) -> None:
+    path = write_gguf(tmp_path / "m.gguf", small_model())
+    data = bytearray(path.read_bytes())
+    key = f"llama.{field}".encode()
+    at = data.index(key) + len(key)  # then the value's type (u32) and the value itself
+    kind = int.from_bytes(data[at:at + 4], "little")
+    fmt = {4: "<I", 5: "<i", 6: "<f"}[kind]  # GGUF's uint32, int32, float32
+    import struct
+
+    data[at + 4:at + 4 + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=named):
+        gguf_import.load_gguf(path)
+
+
 def test_not_a_gguf_file_is_refused_clearly(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"not a gguf file at all" * 10)

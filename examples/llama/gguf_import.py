@@ -28,7 +28,9 @@ import torch
 
 from checkpoint import (
     LoadedCheckpoint,
+    _layers_held,
     build_model,
+    check_args,
     map_tensor_name,
     parse_dtype,
     permute_interleaved_to_half,
@@ -161,13 +163,16 @@ def gguf_args(f: GGUFFile, tensor_names: List[str]) -> ModelArgs:
     dim = int(f.arch("embedding_length"))
     n_heads = _uniform(f.arch("attention.head_count"), f"{f.architecture}.attention.head_count")
     n_kv_heads = _uniform(f.arch("attention.head_count_kv", n_heads), f"{f.architecture}.attention.head_count_kv")
+    if dim < 1 or n_heads < 1:
+        raise ValueError(f"metadata '{f.architecture}.embedding_length' ({dim}) and "
+                         f"'{f.architecture}.attention.head_count' ({n_heads}) must be >= 1")
     head_dim = int(f.arch("attention.key_length", dim // n_heads))
     if int(f.arch("attention.value_length", head_dim)) != head_dim:
         raise ValueError(f"metadata '{f.architecture}.attention.value_length' differs from key_length; not supported")
     rope_dims = int(f.arch("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ValueError(f"partial rotary embedding ({f.architecture}.rope.dimension_count {rope_dims} "
-                         f"< head dim {head_dim}) is not supported")
+        raise ValueError(f"partial rotary embedding ({f.architecture}.rope.dimension_count {rope_dims}, "
+                         f"head dim {head_dim}) is not supported")
     tokens = f.reader.fields.get("tokenizer.ggml.tokens")
     vocab = f.arch("vocab_size", None)
     if vocab is None:
@@ -252,6 +257,7 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
     tensors = list(f.reader.tensors)
     names = [t.name for t in tensors]
     args = gguf_args(f, names)
+    check_args(args, f"{f.path.name} metadata", _layers_held(names, "blk."))
 
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}

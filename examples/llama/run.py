@@ -68,7 +68,18 @@ def read_sidecar(pte: "str | Path") -> Dict[str, object]:
     path = Path(str(pte) + ".json")
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: run.py needs the sidecar export.py writes next to the .pte")
-    return json.loads(path.read_text())
+    try:
+        side = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(side, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(side).__name__}")
+    max_write, args = side.get("max_write"), side.get("model_args")
+    if not isinstance(max_write, int) or isinstance(max_write, bool) or max_write < 1:
+        raise ValueError(f"{path}: 'max_write' must be a positive integer, got {max_write!r}")
+    if not isinstance(args, dict) or not isinstance(args.get("vocab_size"), int) or args["vocab_size"] < 1:
+        raise ValueError(f"{path}: 'model_args' must be an object with a positive integer 'vocab_size'")
+    return side
 
 
 # --------------------------------------------------------------------------- #
@@ -319,7 +330,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = parse_args(argv)
     try:
         sidecar = read_sidecar(a.pte)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.max_new_tokens < 0:
@@ -359,7 +370,14 @@ def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
     if tok_path is None and tok_info.get("kind") is None:
         print("error: the export recorded no tokenizer for this checkpoint; pass --tokenizer", file=sys.stderr)
         return 2
-    tok = load_tokenizer(tok_path)
+    try:
+        tok = load_tokenizer(tok_path)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json and not Path(a.json).parent.is_dir() or a.json and Path(a.json).is_dir():
+        print(f"error: --json {a.json}: its directory does not exist or it is a directory", file=sys.stderr)
+        return 2
     if a.chat and a.prompt is None:
         from chat import interactive_chat
 
@@ -386,11 +404,17 @@ def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
 
     # Always configure: None restores the export default, so an earlier
     # in-process run's overrides do not leak into this one.
-    rt.configure(initial_capacity=a.initial_capacity, max_capacity=a.max_capacity, num_threads=a.threads)
     t_load = time.perf_counter()
     try:
+        rt.configure(initial_capacity=a.initial_capacity, max_capacity=a.max_capacity, num_threads=a.threads)
+        before = len(rt.stores())
         # executorch.runtime, or ExecuTorch's C++ Module under another torch (a CUDA image's).
         method = rt.load_method(a.pte)
+        if len(rt.stores()) == before:
+            raise ValueError(f"{a.pte} holds no offgraph-kv method (export it with examples/llama/export.py)")
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         rt.configure()
     load_s = time.perf_counter() - t_load
