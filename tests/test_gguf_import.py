@@ -282,6 +282,28 @@ def test_metadata_no_model_computes_with_is_named_before_anything_is_built(tmp_p
         gguf_import.load_gguf(path)
 
 
+def test_a_damaged_tensor_info_table_is_named_not_read_from_the_wrong_bytes(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "t.gguf", small_model())
+    good = path.read_bytes()
+    reader = gguf.GGUFReader(str(path))
+    first = reader.tensors[0]
+    # The first tensor's info: name, n_dims (u32), dims (u64 each), type (u32), offset (u64).
+    name_at = good.index(first.name.encode())
+    type_at = name_at + len(first.name) + 4 + 8 * len(first.shape)
+    cases = {
+        "type F32 -> F16": (type_at, (1).to_bytes(4, "little")),
+        "offset moved": (type_at + 4, (64).to_bytes(8, "little")),
+        "one tensor fewer": (8, (len(reader.tensors) - 1).to_bytes(8, "little")),
+    }
+    for name, (at, value) in cases.items():
+        path.write_bytes(good[:at] + value + good[at + len(value):])
+        with pytest.raises(ValueError, match="damaged tensor-info table|not a readable GGUF file"):
+            gguf_import.load_gguf(path)
+    path.write_bytes(good + b"\0" * 64)
+    with pytest.raises(ValueError, match="the file holds"):
+        gguf_import.load_gguf(path)
+
+
 def test_not_a_gguf_file_is_refused_clearly(tmp_path: Path) -> None:
     path = tmp_path / "x.gguf"
     path.write_bytes(b"not a gguf file at all" * 10)

@@ -121,7 +121,28 @@ class GGUFFile:
         # empty numpy view), counts of 2**64-1 (OverflowError, MemoryError), ...
         except (ValueError, OSError, IndexError, OverflowError, MemoryError, KeyError, TypeError) as e:
             raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from e
+        self._check_layout()
         self.architecture = str(self.get("general.architecture"))
+
+    def _check_layout(self) -> None:
+        """llama.cpp's rule for where tensor data lies: in the tensor-info table's order, each tensor at
+        the running offset padded to the alignment, and nothing after the last. A damaged table (a
+        flipped type, offset or tensor count) breaks it; read anyway, the weights would come from the
+        wrong bytes or be decoded as the wrong type."""
+        r = self.reader
+        align = max(int(r.alignment), 1)
+        at, end = 0, 0
+        for t in r.tensors:
+            offset = int(t.data_offset) - int(r.data_offset)
+            if offset != at:
+                raise ValueError(f"{self.path}: tensor {t.name!r} has data offset {offset}, expected {at} "
+                                 "(a damaged tensor-info table)")
+            end = at + int(t.n_bytes)
+            at += -(-int(t.n_bytes) // align) * align
+        data_bytes = self.path.stat().st_size - int(r.data_offset)
+        if not end <= data_bytes <= at:
+            raise ValueError(f"{self.path}: its tensors take {end} bytes of data, the file holds {data_bytes} "
+                             "(truncated, or a damaged tensor-info table)")
 
     def has(self, key: str) -> bool:
         return key in self.reader.fields
