@@ -25,7 +25,7 @@ from offgraph_kv.backend.private_tensors import (
     length_input_index,
     private_tensor_examples,
 )
-from offgraph_kv.backend.step_width import export_upper_bound, locate
+from offgraph_kv.backend.step_width import export_upper_bound, locate, step_width_bound
 from offgraph_kv.backend.storage_omission import prove_storage_omission
 from offgraph_kv.backend.weights import add_weights_to_store, check_weights_are_read_only, weights_in_code_requested
 from offgraph_kv.schemas.manifest import (
@@ -207,10 +207,7 @@ class OffGraphKVBackend(BackendDetails):
         # that does not name a step-width dim here is an error, never a run.
         locator = locate(sites, [n.name for n in inputs], [n.meta["val"].shape for n in inputs], specs.step_width)
         width = sites[0].width
-        width_bound = export_upper_bound(edge_program, width) if isinstance(width, torch.SymInt) else int(width)
-        if width_bound is None:
-            raise LoweringError(f"the step width {width} has no finite export bound; export it with "
-                                "torch.export.Dim(..., max=<widest step>)")
+        width_bound = step_width_bound(edge_program, width)
         if not 1 <= specs.max_write <= width_bound:
             raise LoweringError(f"max_write {specs.max_write} must be in [1, {width_bound}] (the export bound of the step width)")
         described = describe_inputs(edge_program, inputs, width, locator)

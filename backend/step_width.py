@@ -32,6 +32,20 @@ def export_upper_bound(ep: ExportedProgram, size: torch.SymInt) -> Optional[int]
         return None
 
 
+def step_width_bound(ep: ExportedProgram, width: "int | torch.SymInt") -> int:
+    """The widest step the export allows: the width itself when static, else its export bound,
+    which must exist (it sizes rings and checks every step)."""
+    if not isinstance(width, torch.SymInt):
+        return int(width)
+    bound = export_upper_bound(ep, width)
+    if bound is None or bound >= 2**31:
+        raise LoweringError(
+            f"the step width {width} has no finite export bound; export it with "
+            "torch.export.Dim(..., max=<widest step>) (the bound sizes rings and checks every step)"
+        )
+    return bound
+
+
 def shape_of(node: torch.fx.Node) -> Optional[torch.Size]:
     val = node.meta.get("val")
     return val.shape if isinstance(val, torch.Tensor) else None

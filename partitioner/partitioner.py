@@ -15,7 +15,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from offgraph_kv.backend import OffGraphKVBackend
 from offgraph_kv.backend.cache_ops import LoweringError, find_sites, is_cache_op
 from offgraph_kv.backend.compile_specs import BackendSpecs, StepWidth
-from offgraph_kv.backend.step_width import delegate_input_nodes, export_upper_bound, locate, shape_of
+from offgraph_kv.backend.step_width import delegate_input_nodes, locate, shape_of, step_width_bound
 from offgraph_kv.schemas.manifest import check_growth_policy, dtype_from_name
 
 # The compiled code's bound on readable rows. It is fixed rather than taken from
@@ -135,17 +135,7 @@ class OffGraphKVPartitioner(Partitioner):
     def _specs_for(self, ep: ExportedProgram, nodes: "set[torch.fx.Node]", sites: list) -> BackendSpecs:
         inputs = delegate_input_nodes(ep, nodes)
         loc = locate(sites, [n.name for n in inputs], [shape_of(n) for n in inputs], self.step_width)
-        width = sites[0].width
-        if isinstance(width, torch.SymInt):
-            bound = export_upper_bound(ep, width)
-            if bound is None or bound >= 2**31:
-                raise LoweringError(
-                    f"the step width {width} has no finite export bound; export it with "
-                    "torch.export.Dim(..., max=<widest step>) (the bound sizes rings and checks every step)"
-                )
-            compiled_max_write = bound
-        else:
-            compiled_max_write = int(width)
+        compiled_max_write = step_width_bound(ep, sites[0].width)
         max_write = compiled_max_write if self.max_write is None else int(self.max_write)
         if not 1 <= max_write <= compiled_max_write:
             raise LoweringError(

@@ -157,7 +157,7 @@ def check_program_file(path: Union[str, Path]) -> None:
         raise RuntimeError(f"loading program {p}: {'not a regular file' if p.exists() else 'no such file'}")
     with open(p, "rb") as f:
         head = f.read(8)
-    if len(head) < 8 or not head[4:8].isascii() or not head[4:6] == b"ET":
+    if not (head[4:6] == b"ET" and head[6:8].isascii()):
         raise RuntimeError(f"loading program {p}: not an ExecuTorch program (no 'ET' FlatBuffer identifier "
                            f"at bytes 4-8, found {head[4:8]!r})")
 

@@ -13,7 +13,6 @@ Face) convention, so wq/wk are permuted at load exactly as Hugging Face's
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
+from json_files import read_json_object
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
@@ -53,17 +53,6 @@ def _number(config: Mapping[str, object], key: str, where: str, kind: type = int
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
         raise ValueError(f"{where}: {key!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
     return kind(value)
-
-
-def _read_json(path: Path) -> Dict[str, object]:
-    """A JSON object from ``path``; a ValueError naming the file otherwise."""
-    try:
-        value = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _read_tensors(path: Path) -> Dict[str, torch.Tensor]:
@@ -177,7 +166,7 @@ def check_args(args: ModelArgs, where: str, layers_held: Optional[int] = None) -
         raise ValueError(f"{where} states {args.n_layers} layers, its tensors hold only {layers_held}")
 
 
-def _layers_held(names: Iterable[str], prefix: str) -> int:
+def layers_held_by(names: Iterable[str], prefix: str) -> int:
     """How many blocks ``prefix<N>.`` tensor names number (the highest index + 1)."""
     found = [int(m.group(1)) for m in (re.match(re.escape(prefix) + r"(\d+)\.", n) for n in names) if m]
     return max(found) + 1 if found else 0
@@ -207,14 +196,14 @@ def build_model(
     dtype: Optional[torch.dtype] = None,
     source_names: Optional[Mapping[str, str]] = None,
 ) -> Tuple[Transformer, torch.dtype]:
-    """Build ``Transformer(args)`` holding exactly ``state`` (names in model.py's scheme).
+    """Build ``Transformer(args)`` holding exactly ``state`` (names in model.py's scheme);
+    the caller has checked ``args`` (``check_args``) before building anything from them.
 
     ``source_names`` maps a model name back to the checkpoint's own name, so that
     errors speak the checkpoint's language. Weights stay in the checkpoint dtype
     unless ``dtype`` is given.
     """
     names = dict(source_names or {})
-    check_args(args, "the checkpoint's configuration", _layers_held(state, "layers."))
 
     def label(key: str) -> str:
         src = names.get(key)
@@ -350,11 +339,12 @@ def load_meta(
     params_path = Path(params) if params else shards[0].parent / "params.json"
     if not params_path.is_file():
         raise FileNotFoundError(f"params file {params_path} does not exist (pass --params)")
-    raw = _read_json(params_path)
+    raw = read_json_object(params_path)
     state = _merge_meta_shards([_read_tensors(p) for p in shards])
     state = {k: v for k, v in state.items() if not _DERIVED.search(k)}
     emb = state.get("tok_embeddings.weight")
     args = meta_args(raw, vocab_size=emb.shape[0] if emb is not None else None)
+    check_args(args, str(params_path), layers_held_by(state, "layers."))
 
     # Shapes are checked before the permutation (which needs them right).
     expected = _expected_shapes(args)
@@ -647,7 +637,7 @@ def _hf_files(directory: Path) -> List[Path]:
                                 ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
         index = directory / index_name
         if index.is_file():
-            weight_map = _read_json(index).get("weight_map")
+            weight_map = read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError(f"{index} has no weight_map")
             files = sorted({directory / str(f) for f in weight_map.values()})
@@ -663,7 +653,7 @@ def _hf_files(directory: Path) -> List[Path]:
 
 def _hf_stop_tokens(directory: Path, config: Mapping[str, object]) -> Tuple[List[int], Optional[int]]:
     gen = directory / "generation_config.json"
-    source = json.loads(gen.read_text()) if gen.is_file() else dict(config)
+    source = read_json_object(gen) if gen.is_file() else dict(config)
     eos = source.get("eos_token_id", config.get("eos_token_id"))
     bos = source.get("bos_token_id", config.get("bos_token_id"))
     stops = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
@@ -676,7 +666,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
-    config = _read_json(config_path)
+    config = read_json_object(config_path)
     args = hf_args(config)
 
     state: Dict[str, torch.Tensor] = {}
@@ -707,7 +697,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
             state["output.weight"] = emb
             source_names["output.weight"] = "model.embed_tokens.weight"
     # Errors about missing tensors speak Hugging Face names too (once the layer count is known to be sane).
-    check_args(args, "config.json", _layers_held(state, "layers."))
+    check_args(args, "config.json", layers_held_by(state, "layers."))
     source_names = {**{k: model_to_hf_name(k) for k in _expected_shapes(args)}, **source_names}
     model, target = build_model(args, state, parse_dtype(dtype), source_names)
     stops, bos = _hf_stop_tokens(directory, config)

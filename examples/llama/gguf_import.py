@@ -28,9 +28,9 @@ import torch
 
 from checkpoint import (
     LoadedCheckpoint,
-    _layers_held,
     build_model,
     check_args,
+    layers_held_by,
     map_tensor_name,
     parse_dtype,
     permute_interleaved_to_half,
@@ -278,7 +278,7 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
     tensors = list(f.reader.tensors)
     names = [t.name for t in tensors]
     args = gguf_args(f, names)
-    check_args(args, f"{f.path.name} metadata", _layers_held(names, "blk."))
+    check_args(args, f"{f.path.name} metadata", layers_held_by(names, "blk."))
 
     with torch.device("meta"):
         expected = {k: v.shape for k, v in Transformer(args).state_dict().items()}

@@ -28,6 +28,7 @@ if str(_HERE) not in sys.path:
 
 import torch  # noqa: E402
 
+from json_files import read_json_object  # noqa: E402
 from model import ModelArgs, Transformer, init_deterministic, positions  # noqa: E402
 from report import format_bytes  # noqa: E402
 from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
@@ -68,12 +69,7 @@ def read_sidecar(pte: "str | Path") -> Dict[str, object]:
     path = Path(str(pte) + ".json")
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: run.py needs the sidecar export.py writes next to the .pte")
-    try:
-        side = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(side, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(side).__name__}")
+    side = read_json_object(path)
     max_write, args = side.get("max_write"), side.get("model_args")
     if not isinstance(max_write, int) or isinstance(max_write, bool) or max_write < 1:
         raise ValueError(f"{path}: 'max_write' must be a positive integer, got {max_write!r}")
@@ -375,7 +371,7 @@ def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.json and not Path(a.json).parent.is_dir() or a.json and Path(a.json).is_dir():
+    if a.json and (Path(a.json).is_dir() or not Path(a.json).parent.is_dir()):
         print(f"error: --json {a.json}: its directory does not exist or it is a directory", file=sys.stderr)
         return 2
     if a.chat and a.prompt is None:

@@ -8,10 +8,11 @@ A path picks the kind by content: ``tokenizer.json`` -> Hugging Face tokenizers,
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from json_files import read_json_object
 
 BYTE_VOCAB = 256
 BYTE_BOS = 256
@@ -98,12 +99,7 @@ class HFTokenizer(Tokenizer):
         self._model = self._impl.model
         self.vocab_size = self._model.get_vocab_size()
         config_path = path.parent / "tokenizer_config.json"
-        try:
-            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{config_path} is not valid JSON: {e}") from e
-        if not isinstance(config, dict):
-            raise ValueError(f"{config_path} must hold a JSON object")
+        config = read_json_object(config_path) if config_path.is_file() else {}
         self.chat_template: Optional[str] = config.get("chat_template")
         template_file = path.parent / "chat_template.jinja"  # where transformers 5 saves it
         if self.chat_template is None and template_file.is_file():
