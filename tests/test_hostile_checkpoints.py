@@ -278,3 +278,96 @@ def test_damaged_gguf_tokenizer_metadata_is_named(tmp_path: Path, key: str, kind
         gguf_import.load_gguf(path)
     with pytest.raises(ValueError, match="tok.gguf: metadata " + named):
         gguf_import.write_tokenizer(path, tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- #
+# Hugging Face config.json and Meta params.json: one typed reader of fields
+# --------------------------------------------------------------------------- #
+
+import checkpoint  # noqa: E402
+from model import ModelArgs  # noqa: E402
+
+_HF_BASE = checkpoint.hf_config(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300))
+
+
+@pytest.mark.parametrize("update, named", [
+    ({"tie_word_embeddings": "false"}, "'tie_word_embeddings' must be true or false, got 'false' .str."),
+    ({"tie_word_embeddings": 1}, "'tie_word_embeddings' must be true or false, got 1 .int."),
+    ({"hidden_size": 576.5}, "'hidden_size' must be an integer, got 576.5 .float."),
+    ({"hidden_size": True}, "'hidden_size' must be an integer, got True .bool."),
+    ({"hidden_size": "64"}, "'hidden_size' must be an integer, got '64' .str."),
+    ({"num_key_value_heads": [2]}, r"'num_key_value_heads' must be an integer, got \[2\] .list."),
+    ({"vocab_size": {"n": 300}}, "'vocab_size' must be an integer"),
+    ({"intermediate_size": 96.5}, "'intermediate_size' must be an integer, got 96.5"),
+    ({"head_dim": 16.5}, "'head_dim' must be an integer"),
+    ({"rms_norm_eps": "1e-5"}, "'rms_norm_eps' must be a number, got '1e-5'"),
+    ({"rope_theta": [10000.0]}, "'rope_theta' must be a number"),
+    ({"architectures": "LlamaForCausalLM"}, "'architectures' must be a list of strings, got 'LlamaForCausalLM'"),
+    ({"architectures": [["LlamaForCausalLM"]]}, "'architectures' must be a list of strings"),
+    ({"architectures": None, "model_type": ["llama"]}, "'model_type' must be a string"),
+    ({"attention_bias": "true"}, "'attention_bias' must be true or false, got 'true'"),
+    ({"mlp_bias": 0}, "'mlp_bias' must be true or false, got 0"),
+    ({"hidden_act": ["silu"]}, "'hidden_act' must be a string"),
+    ({"rope_scaling": "llama3"}, "'rope_scaling' must be a JSON object, got 'llama3'"),
+    ({"rope_scaling": {"rope_type": 3}}, "rope_scaling: 'rope_type' must be a string, got 3"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192}}, "'factor' must be a number, got '8'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192.5}},
+     "'original_max_position_embeddings' must be an integer, got 8192.5"),
+    ({"sliding_window": "4"}, "'sliding_window' must be an integer, got '4'"),
+    ({"sliding_window": 4, "layer_types": "sliding_attention"}, "'layer_types' must be a list of strings"),
+    ({"max_position_embeddings": 2.5}, "'max_position_embeddings' must be an integer"),
+    ({"partial_rotary_factor": "1"}, "'partial_rotary_factor' must be a number"),
+], ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
+def test_hf_config_fields_of_the_wrong_json_type_are_named_with_the_expected_type(update: Dict[str, object],
+                                                                                   named: str) -> None:
+    # "false" is a true string and 576.5 an int() of 576: read loosely, both load a different model.
+    with pytest.raises(ValueError, match="config.json.*" + named):
+        checkpoint.hf_args({**_HF_BASE, **update})
+
+
+def test_hf_config_whole_number_floats_and_nulls_read_as_transformers_reads_them() -> None:
+    # Python's json writes 8192.0 for float arithmetic; null is "not set" in transformers' configs.
+    args = checkpoint.hf_args({**_HF_BASE, "hidden_size": 64.0, "sliding_window": None, "head_dim": None,
+                               "tie_word_embeddings": None})
+    assert args.dim == 64 and isinstance(args.dim, int) and not args.tie_embeddings
+    assert checkpoint.hf_args({**_HF_BASE, "tie_word_embeddings": True}).tie_embeddings is True
+
+
+@pytest.mark.parametrize("update, named", [
+    ({"n_kv_heads": 2.5}, "'n_kv_heads' must be an integer, got 2.5"),
+    ({"n_kv_heads": "8"}, "'n_kv_heads' must be an integer, got '8'"),
+    ({"hidden_dim": True}, "'hidden_dim' must be an integer, got True"),
+    ({"multiple_of": 0}, "'multiple_of' must be >= 1, got 0"),
+    ({"ffn_dim_multiplier": "1.3"}, "'ffn_dim_multiplier' must be a number"),
+    ({"use_scaled_rope": "false"}, "'use_scaled_rope' must be true or false, got 'false'"),
+    ({"rope_theta": None, "norm_eps": [1e-5]}, "'norm_eps' must be a number"),
+    ({"vocab_size": 300.5}, "'vocab_size' must be an integer"),
+])
+def test_meta_params_fields_of_the_wrong_json_type_are_named(update: Dict[str, object], named: str) -> None:
+    params = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "multiple_of": 32,
+              "norm_eps": 1e-5, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="params.json.*" + named):
+        checkpoint.meta_args({**params, **update})
+
+
+@pytest.mark.parametrize("files, named", [
+    ({"generation_config.json": {"eos_token_id": 300}}, "generation_config.json: 'eos_token_id' holds 300, outside "
+                                                        "the vocabulary of 300 tokens"),
+    ({"generation_config.json": {"eos_token_id": [2, -1]}}, "'eos_token_id' holds -1, outside"),
+    ({"generation_config.json": {"eos_token_id": "2"}}, "generation_config.json: 'eos_token_id' must be an integer "
+                                                        "or a list of integers, got '2'"),
+    ({"generation_config.json": {"bos_token_id": [1]}}, "'bos_token_id' must be an integer, got \\[1\\]"),
+    ({"config.json": {"eos_token_id": 1.5}}, "config.json: 'eos_token_id' must be an integer or a list"),
+])
+def test_hf_special_token_ids_of_the_wrong_type_or_outside_the_vocabulary_are_named(
+        tmp_path: Path, files: Dict[str, Dict[str, object]], named: str) -> None:
+    import json
+
+    for name, content in files.items():
+        if name != "config.json":
+            (tmp_path / name).write_text(json.dumps(content))
+    config = {**_HF_BASE, **files.get("config.json", {})}
+    with pytest.raises(ValueError, match=named):
+        checkpoint._hf_stop_tokens(tmp_path, config, 300)

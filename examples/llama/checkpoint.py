@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
-from json_files import read_json_object
+from json_files import REQUIRED, json_field, read_json_object
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
@@ -43,16 +43,9 @@ _FLOAT_WEIGHTS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _number(config: Mapping[str, object], key: str, where: str, kind: type = int,
-            default: object = None) -> "int | float":
-    """``config[key]`` as ``kind``; a ValueError naming the file and the key when it is missing or not a number."""
-    value = config.get(key)
-    if value is None:  # absent, or null (as configs write optional fields)
-        value = default
-    if value is None:
-        raise ValueError(f"{where} has no {key!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise ValueError(f"{where}: {key!r} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    return kind(value)
+            default: object = REQUIRED) -> "int | float":
+    """``config[key]`` as an integer (``kind`` int) or a number (float): ``json_field``'s rules."""
+    return json_field(config, key, "int" if kind is int else "number", where, default)
 
 
 def _read_tensors(path: Path) -> Dict[str, torch.Tensor]:
@@ -269,34 +262,38 @@ def meta_args(params: Mapping[str, object], vocab_size: Optional[int] = None) ->
     for key in _META_UNSUPPORTED:
         if params.get(key):
             raise ValueError(f"params.json sets {key!r}, which this Llama model does not implement")
-    vocab = int(params.get("vocab_size", -1))
+    where = "params.json"
+    vocab = json_field(params, "vocab_size", "int", where, -1)
     if vocab <= 0:
         if vocab_size is None:
             raise ValueError("params.json has no vocab_size and no tok_embeddings.weight to infer it from")
         vocab = vocab_size
     rope_scaling = None
-    if params.get("use_scaled_rope"):
+    if json_field(params, "use_scaled_rope", "bool", where, False):
         # Meta's Llama 3.1+ scaling; factor 8 unless the params say otherwise
         # (ExecuTorch's params for Llama 3.2 1B/3B set rope_scale_factor 32).
         rope_scaling = {
             "rope_type": "llama3",
-            "factor": float(params.get("rope_scale_factor", 8.0)),
+            "factor": json_field(params, "rope_scale_factor", "number", where, 8.0),
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192,
         }
-    n_heads = _number(params, "n_heads", "params.json")
+    n_heads = _number(params, "n_heads", where)
+    multiple_of = json_field(params, "multiple_of", "int", where, 256)
+    if multiple_of < 1:  # the feed-forward width is rounded up to it (a zero divides by zero)
+        raise ValueError(f"{where}: 'multiple_of' must be >= 1, got {multiple_of}")
     return ModelArgs(
-        dim=_number(params, "dim", "params.json"),
-        n_layers=_number(params, "n_layers", "params.json"),
+        dim=_number(params, "dim", where),
+        n_layers=_number(params, "n_layers", where),
         n_heads=n_heads,
-        n_kv_heads=int(params.get("n_kv_heads") or n_heads),
+        n_kv_heads=json_field(params, "n_kv_heads", "int", where, n_heads),
         vocab_size=vocab,
-        hidden_dim=int(params["hidden_dim"]) if params.get("hidden_dim") else None,
-        multiple_of=int(params.get("multiple_of", 256)),
-        ffn_dim_multiplier=float(params["ffn_dim_multiplier"]) if params.get("ffn_dim_multiplier") else None,
-        norm_eps=float(params.get("norm_eps", 1e-5)),
-        rope_theta=float(params.get("rope_theta", 10000.0)),
+        hidden_dim=json_field(params, "hidden_dim", "int", where, None),
+        multiple_of=multiple_of,
+        ffn_dim_multiplier=json_field(params, "ffn_dim_multiplier", "number", where, None),
+        norm_eps=json_field(params, "norm_eps", "number", where, 1e-5),
+        rope_theta=json_field(params, "rope_theta", "number", where, 10000.0),
         rope_scaling=rope_scaling,
         tie_embeddings=False,
     )
@@ -432,14 +429,15 @@ def hf_to_model_name(name: str) -> Optional[str]:
 def hf_args(config: Mapping[str, object]) -> ModelArgs:
     """ModelArgs from a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling)."""
     where = "config.json"
-    archs = list(config.get("architectures") or [])
+    archs = list(json_field(config, "architectures", "strs", where, []))
     if not archs:
-        if config.get("model_type") not in _HF_MODEL_TYPES:
+        model_type = json_field(config, "model_type", "str", where, None)
+        if model_type not in _HF_MODEL_TYPES:
             raise ValueError(
-                f"config.json names no architecture and model_type {config.get('model_type')!r}; "
+                f"config.json names no architecture and model_type {model_type!r}; "
                 f"supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
-        archs = [_HF_MODEL_TYPES[str(config["model_type"])]]
+        archs = [_HF_MODEL_TYPES[model_type]]
     for arch in archs:
         if arch not in SUPPORTED_HF_ARCHITECTURES:
             raise ValueError(
@@ -454,16 +452,14 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
                          "(load the float checkpoint; export.py --quantize quantizes it)")
     # Only Llama's config reads mlp_bias; transformers' Mistral/Qwen MLPs have no biases whatever it says,
     # so honouring it there would load a different model than transformers does.
-    mlp_bias = config.get("mlp_bias", False)
-    if mlp_bias not in (True, False):
-        raise ValueError(f"config.json: 'mlp_bias' must be true or false, got {mlp_bias!r}")
+    mlp_bias = json_field(config, "mlp_bias", "bool", where, False)
     if mlp_bias and archs != ["LlamaForCausalLM"]:
         raise ValueError(f"config.json sets mlp_bias=true, which {', '.join(archs)} does not read "
                          "(only LlamaForCausalLM's MLP has biases)")
     n_layers = _number(config, "num_hidden_layers", where)
     # Qwen3 decides its sliding layers as Qwen2 does.
     windows = _hf_windows(config, n_layers, qwen2 or qwen3)
-    act = config.get("hidden_act", "silu")
+    act = json_field(config, "hidden_act", "str", where, "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU
         raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
     dim = _number(config, "hidden_size", where)
@@ -480,12 +476,16 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         raise ValueError(f"config.json: hidden_size {dim} is not a multiple of num_attention_heads {n_heads} "
                          "and no head_dim is given")
     # transformers 5 folds rope_theta / rope_scaling into rope_parameters.
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = dict(json_field(config, rope_key, "object", where, {}))
+    rope_where = f"config.json {rope_key}"
+    theta = json_field(rope, "rope_theta", "number", rope_where,
+                       json_field(config, "rope_theta", "number", where, 10000.0))
+    rope_type = json_field(rope, "rope_type", "str", rope_where, json_field(rope, "type", "str", rope_where, "default"))
     # A partial rotation (RoPE on some head dims only) is not what model.py rotates.
-    for key, value in (("partial_rotary_factor", config.get("partial_rotary_factor")),
-                       ("rope_parameters.partial_rotary_factor", rope.get("partial_rotary_factor"))):
+    for key, value in (("partial_rotary_factor", json_field(config, "partial_rotary_factor", "number", where, None)),
+                       (f"{rope_key}.partial_rotary_factor",
+                        json_field(rope, "partial_rotary_factor", "number", rope_where, None))):
         if value is not None and value != 1:
             raise ValueError(f"config.json {key} = {value!r} is not supported (only 1: RoPE on every head dim)")
     if rope_type == "llama3":
@@ -507,6 +507,7 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
     else:
         raise ValueError(f"config.json rope_type {rope_type!r} is not supported "
                          f"(only {', '.join(repr(t) for t in _HF_ROPE_TYPES)})")
+    attention_bias = json_field(config, "attention_bias", "bool", where, False)
     return ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -517,11 +518,11 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         norm_eps=_number(config, "rms_norm_eps", where, float, default=1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_embeddings=json_field(config, "tie_word_embeddings", "bool", where, False),
         attention_head_dim=head_dim if head_dim is not None and head_dim * n_heads != dim else None,
         sliding_windows=windows,
-        qkv_bias=qwen2 or bool(config.get("attention_bias")),
-        out_bias=bool(config.get("attention_bias")),
+        qkv_bias=qwen2 or attention_bias,
+        out_bias=attention_bias,
         mlp_bias=mlp_bias,
         qk_norm=qwen3,
     )
@@ -533,15 +534,15 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> Lis
     layer ``max_window_layers`` on. A ring layer here attends keys p - window < k <= p, as transformers
     masks. A window as wide as every context is full attention."""
     where = "config.json"
-    window = config.get("sliding_window")
-    window = _number(config, "sliding_window", where) if window is not None else 0
+    window = json_field(config, "sliding_window", "int", where, 0)
     if window < 0:
         raise ValueError(f"config.json: sliding_window must be positive, got {window}")
-    if window >= int(config.get("max_position_embeddings") or 2**62):
+    longest = json_field(config, "max_position_embeddings", "int", where, 0)
+    if longest > 0 and window >= longest:
         window = 0
-    types = config.get("layer_types")
+    types = json_field(config, "layer_types", "strs", where, None)
     if types is not None:
-        if not isinstance(types, list) or len(types) != n_layers:
+        if len(types) != n_layers:
             raise ValueError(f"config.json: layer_types must list {n_layers} layers, got {types!r}")
         unknown = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
         if unknown:
@@ -551,7 +552,8 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> Lis
         windows = [window if t == "sliding_attention" else 0 for t in types]
     elif qwen2:
         first = _number(config, "max_window_layers", where, default=n_layers)
-        windows = [window if config.get("use_sliding_window") and i >= first else 0 for i in range(n_layers)]
+        use = json_field(config, "use_sliding_window", "bool", where, False)
+        windows = [window if use and i >= first else 0 for i in range(n_layers)]
     else:
         windows = [window] * n_layers
     return windows if len(set(windows)) > 1 else windows[:1]
@@ -651,13 +653,22 @@ def _hf_files(directory: Path) -> List[Path]:
     raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {directory}")
 
 
-def _hf_stop_tokens(directory: Path, config: Mapping[str, object]) -> Tuple[List[int], Optional[int]]:
+def _hf_stop_tokens(directory: Path, config: Mapping[str, object], vocab_size: int) -> Tuple[List[int], Optional[int]]:
+    """EOS ids (one or a list) and BOS from generation_config.json, else config.json; an id outside
+    the vocabulary is named (as a stop id it would never stop generation)."""
     gen = directory / "generation_config.json"
-    source = read_json_object(gen) if gen.is_file() else dict(config)
-    eos = source.get("eos_token_id", config.get("eos_token_id"))
-    bos = source.get("bos_token_id", config.get("bos_token_id"))
-    stops = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
-    return stops, None if bos is None else int(bos)
+    source = read_json_object(gen) if gen.is_file() else {}
+    found: Dict[str, object] = {}
+    for key in ("eos_token_id", "bos_token_id"):
+        where = gen.name if source.get(key) is not None else "config.json"
+        value = json_field(source if where == gen.name else config, key, "int_or_ints" if key[0] == "e" else "int",
+                           where, None)
+        for i in value if isinstance(value, list) else [] if value is None else [value]:
+            if not 0 <= i < vocab_size:
+                raise ValueError(f"{where}: {key!r} holds {i}, outside the vocabulary of {vocab_size} tokens")
+        found[key] = value
+    eos, bos = found["eos_token_id"], found["bos_token_id"]
+    return ([] if eos is None else eos if isinstance(eos, list) else [eos]), bos  # type: ignore[return-value]
 
 
 def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -> LoadedCheckpoint:
@@ -700,7 +711,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     check_args(args, "config.json", layers_held_by(state, "layers."))
     source_names = {**{k: model_to_hf_name(k) for k in _expected_shapes(args)}, **source_names}
     model, target = build_model(args, state, parse_dtype(dtype), source_names)
-    stops, bos = _hf_stop_tokens(directory, config)
+    stops, bos = _hf_stop_tokens(directory, config, args.vocab_size)
     return LoadedCheckpoint(
         model=model,
         source={"format": "hf", "dir": str(directory.resolve())},
