@@ -48,11 +48,21 @@ def _symbolic_wrapper() -> str:
     # -fno-gnu-unique: g++ emits template and inline statics as STB_GNU_UNIQUE,
     # which the dynamic linker binds process-wide: two programs loaded side by
     # side would share one instance of each (inductor's error flag among them).
+    # The link that writes $OFFGRAPH_KV_LINK_INTO (the program's shared object)
+    # also takes $OFFGRAPH_KV_LINK_OBJECT, our own kernels (cpu_kernels.py);
+    # inductor's other links (ISA probes) stay as they are.
     script = (
         "#!/bin/sh\n"
-        'for a in "$@"; do [ "$a" = "-shared" ] && exec "%s" "$@" -fno-gnu-unique -Wl,-Bsymbolic; done\n'
+        'shared=; into=; prev=\n'
+        'for a in "$@"; do\n'
+        '  [ "$a" = "-shared" ] && shared=1\n'
+        '  [ "$prev" = "-o" ] && [ -n "$OFFGRAPH_KV_LINK_INTO" ] && [ "$a" = "$OFFGRAPH_KV_LINK_INTO" ] && into=1\n'
+        '  prev=$a\n'
+        'done\n'
+        '[ -n "$shared" ] && [ -n "$into" ] && exec "%s" "$@" "$OFFGRAPH_KV_LINK_OBJECT" -fno-gnu-unique -Wl,-Bsymbolic\n'
+        '[ -n "$shared" ] && exec "%s" "$@" -fno-gnu-unique -Wl,-Bsymbolic\n'
         'exec "%s" "$@" -fno-gnu-unique\n'
-    ) % (real, real)
+    ) % (real, real, real)
     wrapper = os.path.join(inductor_cache_dir(), "g++-bsymbolic")
     try:
         with open(wrapper) as f:
@@ -105,6 +115,7 @@ embed_each_kernel_in_its_own_object()
 import executorch.exir.passes.dim_order_ops_registry  # ops edge dialect leaves in the graph
 from offgraph_kv.backend.attention import COMPILE_DECOMPOSITIONS
 import offgraph_kv.backend.triton_attention  # registers offgraph_kv::update_attend before the program loads
+from offgraph_kv.backend.cpu_kernels import shim_options  # registers offgraph_kv::rows_attend_with_lse
 ep = torch.export.load(sys.argv[1])
 if sys.argv[4] == "cuda":
     try:
@@ -121,6 +132,8 @@ else:
     _inductor_decompositions.update(COMPILE_DECOMPOSITIONS)
 args = torch.load(sys.argv[2])
 options = torch.load(sys.argv[3])
+if sys.argv[4] == "cpu":
+    options.update(shim_options())  # op handles do not pickle: added on this side
 module = ep.module()
 if os.environ.get("OFFGRAPH_KV_LINEAR_TEMPLATE_ONLY") == "1":
     # Linears: inductor's C++ GEMM template only (aoti_compile.cpu_linear_options
@@ -227,6 +240,11 @@ def _compile_in_fresh_process(program: ExportedProgram, example_args: Sequence[t
     torch.save(list(example_args), args_path)
     torch.save(options, opt_path)
     env = symbolic_compile_env()
+    if device == "cpu":
+        from offgraph_kv.backend.cpu_kernels import build_object
+
+        env["OFFGRAPH_KV_LINK_INTO"] = options["aot_inductor.output_path"]
+        env["OFFGRAPH_KV_LINK_OBJECT"] = build_object(inductor_cache_dir(), shutil.which("g++") or "g++")
     env["OFFGRAPH_KV_LINEAR_TEMPLATE_ONLY"] = "1" if template_linears else "0"
     done = subprocess.run([sys.executable, "-c", _SUBPROCESS_COMPILE, ep_path, args_path, opt_path, device, workdir],
                           env=env, capture_output=True, text=True)

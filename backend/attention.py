@@ -15,14 +15,16 @@ other program's path.)
   first row, so that part goes to a mask-free fused kernel that also returns
   each query's log-sum-exp; the step's other T - 1 rows (a strictly lower
   triangle, T x T at most) are attended directly and merged by log-sum-exp.
-  A decode step is one fused kernel over the whole history plus that merge.
-  With 16-bit storage on CPU the history is read as stored: a decode step's
-  few query rows attend it through reductions that widen each element as it
-  is loaded (``reduced_attention_with_lse``); a wider step converts only the
-  rows it sees for the fused fp32 kernel (``_history_16bit``).
+  On CPU a decode step's part goes to our own kernel over the stored rows,
+  any storage dtype read as stored (``cpu_kernels.py``: each row read once for
+  every head, 0.75x ATen's time in fp32, 0.39x the reductions' in bf16); a
+  wider step keeps ATen's fused fp32 kernel, 16-bit rows converted first, only
+  those it sees. (``OFFGRAPH_KV_CPU_ATTENTION`` keeps the earlier lowerings:
+  fp32 decode through the fused kernel, 16-bit decode through reductions that
+  widen each element as it is loaded, ``reduced_attention_with_lse``.)
 
-Either way one program serves every step width (the CPU 16-bit choice above
-is a ``torch.cond`` on the width, a branch in the compiled code); the
+Either way one program serves every step width (the CPU choice above is a
+``torch.cond`` on the width, a branch in the compiled code); the
 masked kernels would run at 2-3 % of memory bandwidth at 32K context on the
 H200. Ring layers keep an explicit band mask: their window is small.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import offgraph_kv.backend.cpu_kernels  # noqa: F401  (registers offgraph_kv::rows_attend_with_lse)
 from offgraph_kv.backend.switches import switch
 from offgraph_kv.backend.width_branch import by_width
 
@@ -253,18 +256,36 @@ def _history_16bit(step_width: "int | torch.SymInt", q: torch.Tensor, keys: torc
                     lambda a, b, c: _converted_attention_with_lse(a, b, c, scale), (q, keys, values))
 
 
-# ``OFFGRAPH_KV_CPU_ATTENTION`` (read at export) picks the CPU lowering of
-# 16-bit storage: ``direct`` (the default, above); ``grouped``, decode steps
-# through ``grouped_decode_attention_with_lse`` (8 SmolLM2-shaped layers, in
-# turns: 1.03x / 1.00x / 0.81x the default's decode step at 200 / 2,000 / 8,000
-# rows, benchmarks/results/cpu_attention_grouped.json: it pays only at long
-# context, so it stays opt-in); ``convert``, the whole history converted to fp32
-# every step, as before. Kept side by side for benchmarks/cpu/attention_16bit.py.
+# ``OFFGRAPH_KV_CPU_ATTENTION`` (read at export) picks the CPU lowering of a
+# flat layer's decode step: ``rows`` (the default), our kernel over the stored
+# rows (``cpu_kernels.py``), any storage dtype; the others keep ATen's fused
+# kernel for fp32 storage and, for 16-bit storage, ``direct`` (the reductions
+# above); ``grouped``, ``grouped_decode_attention_with_lse`` (8 SmolLM2-shaped
+# layers, in turns: 1.03x / 1.00x / 0.81x direct's decode step at 200 / 2,000 /
+# 8,000 rows, benchmarks/results/cpu_attention_grouped.json); ``convert``, the
+# whole history converted to fp32 every step. Kept side by side for
+# benchmarks/cpu/attention_16bit.py and attention_bandwidth.py.
 CPU_ENV_SWITCH = "OFFGRAPH_KV_CPU_ATTENTION"
+CPU_DECODE_LOWERINGS = ("rows", "direct", "grouped", "convert")
 
 
 def _cpu_decode_lowering() -> str:
-    return switch(CPU_ENV_SWITCH, ("direct", "grouped", "convert"), "direct")
+    return switch(CPU_ENV_SWITCH, CPU_DECODE_LOWERINGS, "rows")
+
+
+def _rows_decode_or_fused(step_width: "int | torch.SymInt", q: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, scale: float) -> "tuple[torch.Tensor, torch.Tensor]":
+    """CPU: a one-token step through our kernel over the stored rows, as stored
+    (``offgraph_kv::rows_attend_with_lse``); a wider step through ATen's fused
+    fp32 kernel, whose GEMMs pay once many queries share the rows (16-bit rows
+    converted first, only those the step sees)."""
+    def wide(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+        if b.dtype != torch.float32:
+            return _converted_attention_with_lse(a, b, c, scale)
+        return _dense(*torch.ops.offgraph_kv.attend_with_lse(a, b, c, scale))
+
+    return by_width(step_width, lambda a, b, c: torch.ops.offgraph_kv.rows_attend_with_lse(a, b, c, scale),
+                    wide, (q, keys, values))
 
 
 def _cpu_reads_16bit() -> bool:
@@ -291,7 +312,9 @@ def attend_flat(
     folded = _fold_groups(q, hkv)  # row r = g * T + i
     seen = s - t + 1  # rows every query sees: the history and the step's first row (never empty)
     k_a, v_a = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)
-    if q.device.type == "cpu" and keys.dtype != torch.float32:  # 16-bit, as stored
+    if q.device.type == "cpu" and _cpu_decode_lowering() == "rows":
+        out_a, lse_a = _rows_decode_or_fused(t, folded, k_a, v_a, scale)
+    elif q.device.type == "cpu" and keys.dtype != torch.float32:  # 16-bit, as stored
         out_a, lse_a = _history_16bit(t, folded, k_a, v_a, scale, hq // hkv)
     else:
         out_a, lse_a = torch.ops.offgraph_kv.attend_with_lse(folded, k_a, v_a, scale)

@@ -16,14 +16,18 @@ first ``context`` rows). What runs is what the compiled CPU program runs:
   ``grouped_decode_attention_with_lse`` compiled by inductor's CPU backend
   (the same C++ code generation as AOTInductor).
 
+- any storage: our kernel over the stored rows, what the program calls for a
+  decode step by default (``offgraph_kv::rows_attend_with_lse``,
+  ``backend/native/decode_attention.cpp``), compiled by AOTInductor into a
+  program of all 30 layers' calls as an export links it, so no Python runs
+  between layers.
+
 Beside them, in the same run: the machine's single-thread read bandwidth (a
-sum over a buffer far larger than the caches), and a probe kernel that reads
-the history in storage order (``native/decode_attention_rows.cpp``, built at
-run time as a torch extension; not part of the runtime), checked against ATen's
-result. Reported per variant and
-context: ms per step (all layers), KV bytes read per step, GB/s, and the ratio
-to the read bandwidth (the hardware limit). Variants run in turns, so load from
-other jobs lands on all of them alike.
+sum over a buffer far larger than the caches). Every variant is checked
+against ATen's fp32 result. Reported per variant and context: ms per step
+(all layers), KV bytes read per step, GB/s, and the ratio to the read
+bandwidth (the hardware limit). Variants run in turns, so load from other
+jobs lands on all of them alike.
 """
 
 from __future__ import annotations
@@ -72,24 +76,46 @@ def _grouped_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     return attn.grouped_decode_attention_with_lse(q, k, v, SCALE, GROUPS)[0]
 
 
-def native_probe() -> Callable[..., torch.Tensor]:
-    """The storage-order probe kernel, compiled for this machine's ISA."""
-    from torch.utils.cpp_extension import load
+class _KernelStep(torch.nn.Module):
+    """One decode step's attention over every layer through our kernel."""
 
-    src = Path(__file__).parent / "native" / "decode_attention_rows.cpp"
-    mod = load(name="offgraph_kv_decode_attention_rows", sources=[str(src)],
-               extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
-    # The benchmark hands [1, H_kv, S, D] views; the probe takes the store's [1, S, H_kv, D] rows.
-    return lambda q, k, v: mod.decode_attention_rows(q, k.transpose(1, 2), v.transpose(1, 2), SCALE)
+    def forward(self, q: torch.Tensor, *stores: torch.Tensor) -> List[torch.Tensor]:
+        # Flat arguments (every layer's K, then every layer's V): what the compile hands AOTInductor.
+        ks, vs = stores[:LAYERS], stores[LAYERS:]
+        return [torch.ops.offgraph_kv.rows_attend_with_lse(q, k.transpose(1, 2), v.transpose(1, 2), SCALE)[0]
+                for k, v in zip(ks, vs)]
 
 
-def variants(dtypes: List[str], probe: bool) -> Dict[str, Callable[..., torch.Tensor]]:
-    """name -> one layer's decode attention, for the storage dtypes asked for."""
+def shipped_kernel(dtype: torch.dtype) -> Callable[..., List[torch.Tensor]]:
+    """Our kernel as a CPU program links it: ``fn(q, ks, vs)`` over all layers'
+    ``[1, S, H_kv, D]`` stores (S dynamic), one AOTInductor call per step."""
+    import tempfile
+
+    from torch.export import Dim
+
+    from offgraph_kv.backend.aoti_compile import compile_shared_object
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, KV_HEADS, GROUPS, HEAD_DIM, generator=g)
+    ks, vs = ([torch.randn(1, 16, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(LAYERS)]
+              for _ in range(2))
+    rows = Dim("rows", min=1, max=1 << 20)
+    program = torch.export.export(_KernelStep(), (q, *ks, *vs), dynamic_shapes=(None, ({1: rows},) * (2 * LAYERS)))
+    code = compile_shared_object(program, [q, *ks, *vs], "cpu")
+    path = Path(tempfile.mkdtemp(prefix="offgraph_kv_bench_")) / "kernel.so"
+    path.write_bytes(code.so_bytes)
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+    return lambda q, ks, vs: runner.run([q, *ks, *vs])
+
+
+def variants(dtypes: List[str], kernel: bool) -> Dict[str, Callable[..., torch.Tensor]]:
+    """name -> one layer's decode attention (``whole_step``: all layers' at once), per storage dtype."""
     out: Dict[str, Callable[..., torch.Tensor]] = {}
-    rows = native_probe() if probe else None
     for name in dtypes:
-        if rows is not None:
-            out[f"{name} storage-order probe"] = rows
+        if kernel:
+            step = shipped_kernel(DTYPES[name])
+            step.whole_step = True  # type: ignore[attr-defined]
+            out[f"{name} rows kernel (default)"] = step
         if name == "fp32":
             out["fp32 fused (ATen)"] = _fp32_step
         else:
@@ -111,6 +137,11 @@ class Layers:
 
     def step(self, fn: Callable[..., torch.Tensor], context: int) -> float:
         """Seconds for one decode step's attention over all layers at ``context`` rows."""
+        if getattr(fn, "whole_step", False):
+            ks, vs = [k[:, :context] for k in self.k], [v[:, :context] for v in self.v]
+            t = time.perf_counter()
+            fn(self.q, ks, vs)
+            return time.perf_counter() - t
         t = time.perf_counter()
         for k, v in zip(self.k, self.v):
             fn(self.q, k[:, :context].transpose(1, 2), v[:, :context].transpose(1, 2))
@@ -126,12 +157,16 @@ def max_error(fn: Callable[..., torch.Tensor], layers: Layers, context: int) -> 
     k = layers.k[0][:, :context].transpose(1, 2)
     v = layers.v[0][:, :context].transpose(1, 2)
     ref = _fp32_step(layers.q, k.float(), v.float())
-    return (fn(layers.q, k, v).float().reshape(ref.shape) - ref).abs().max().item()
+    if getattr(fn, "whole_step", False):
+        got = fn(layers.q, [x[:, :context] for x in layers.k], [x[:, :context] for x in layers.v])[0]
+    else:
+        got = fn(layers.q, k, v)
+    return (got.float().reshape(ref.shape) - ref).abs().max().item()
 
 
-def measure(contexts: List[int], dtypes: List[str], turns: int, steps: int, probe: bool) -> Dict[str, object]:
+def measure(contexts: List[int], dtypes: List[str], turns: int, steps: int, kernel: bool) -> Dict[str, object]:
     torch.set_num_threads(1)
-    fns = variants(dtypes, probe)
+    fns = variants(dtypes, kernel)
     stores = {name: Layers(DTYPES[name], max(contexts)) for name in dtypes}
     store_of = {v: stores[v.split()[0]] for v in fns}
     errors = {v: max(max_error(fn, store_of[v], c) for c in contexts) for v, fn in fns.items()}
@@ -198,14 +233,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--dtypes", default="fp32,bf16,fp16")
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant, context and turn")
-    p.add_argument("--no-probe", action="store_true", help="leave out the storage-order probe (needs a C++ compiler)")
+    p.add_argument("--no-kernel", action="store_true", help="leave out our kernel (an AOTInductor compile per dtype)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_attention_bandwidth.json"))
     a = p.parse_args(argv)
     dtypes = a.dtypes.split(",")
     unknown = sorted(set(dtypes) - set(DTYPES))
     if unknown:
         p.error(f"unknown dtypes {unknown}; expected some of {', '.join(DTYPES)}")
-    result = measure([int(c) for c in a.contexts.split(",")], dtypes, a.turns, a.steps, not a.no_probe)
+    result = measure([int(c) for c in a.contexts.split(",")], dtypes, a.turns, a.steps, not a.no_kernel)
     result["command"] = "python -m benchmarks.cpu.attention_bandwidth " + " ".join(argv if argv is not None else sys.argv[1:])
     a.out.write_text(json.dumps(result, indent=1))
     result["plot"] = plot(result, str(a.out.with_suffix(".png")))
