@@ -371,3 +371,153 @@ def test_hf_special_token_ids_of_the_wrong_type_or_outside_the_vocabulary_are_na
     config = {**_HF_BASE, **files.get("config.json", {})}
     with pytest.raises(ValueError, match=named):
         checkpoint._hf_stop_tokens(tmp_path, config, 300)
+
+
+# --------------------------------------------------------------------------- #
+# Hugging Face directories: weights and index
+# --------------------------------------------------------------------------- #
+
+
+def _hf_dir(path: Path, mutate: "Callable[[Dict[str, object]], None] | None" = None,
+            config_update: "Dict[str, object] | None" = None, weight_map: "Dict[str, object] | None" = None) -> Path:
+    """A small HF Llama directory from our own writer; ``weight_map`` writes a sharded index for it."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from model import Transformer, init_deterministic
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300)
+    state = checkpoint.to_hf_state_dict(init_deterministic(Transformer(args)))
+    if mutate:
+        with torch.no_grad():
+            mutate(state)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**checkpoint.hf_config(args), **(config_update or {})}))
+    if weight_map is None:
+        save_file(state, str(path / "model.safetensors"))
+    else:
+        save_file(state, str(path / "model-1.safetensors"))
+        full = {name: "model-1.safetensors" for name in state}
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {**full, **weight_map}}))
+    return path
+
+
+@pytest.mark.parametrize("name, value, named", [
+    ("model.layers.0.mlp.up_proj.weight", float("nan"),
+     r"'model.layers.0.mlp.up_proj.weight' .model tensor 'layers.0.feed_forward.w3.weight'. holds 1 NaN or "
+     r"infinite values .the first at index \(3, 5\)."),
+    ("model.norm.weight", float("inf"), "'model.norm.weight' .* holds 1 NaN or infinite values"),
+])
+def test_nan_or_infinite_weights_are_refused_naming_the_tensor_and_index(tmp_path: Path, name: str, value: float,
+                                                                        named: str) -> None:
+    # Refused, not warned: one NaN weight makes every logit it reaches NaN, a model that only seems to work.
+    def poison(state: Dict[str, object]) -> None:
+        t = state[name]
+        t[(3, 5) if t.dim() == 2 else (0,)] = value  # type: ignore[index]
+
+    with pytest.raises(ValueError, match=named):
+        checkpoint.load_hf(_hf_dir(tmp_path / "m", poison))
+
+
+def test_a_cast_that_overflows_the_requested_dtype_is_named(tmp_path: Path) -> None:
+    def big(state: Dict[str, object]) -> None:
+        state["model.layers.1.self_attn.o_proj.weight"][0, 0] = 1e6  # type: ignore[index]
+
+    directory = _hf_dir(tmp_path / "m", big)
+    with pytest.raises(ValueError, match=r"'model.layers.1.self_attn.o_proj.weight' .* cast to torch.float16 overflows: "
+                                         r"1 values become infinite \(the largest magnitude is 1e\+06"):
+        checkpoint.load_hf(directory, "fp16")
+    assert checkpoint.load_hf(directory).dtype.is_floating_point  # its own fp32 holds it
+
+
+@pytest.mark.parametrize("shard, named", [
+    ("../../outside.safetensors", "names shard '../../outside.safetensors', not a file inside"),
+    ("/etc/passwd", "names shard '/etc/passwd', not a file inside"),
+    (7, "names shard 7, not a file inside"),
+], ids=["relative-escape", "absolute", "not-a-string"])
+def test_an_index_naming_a_shard_outside_the_directory_is_refused(tmp_path: Path, shard: object, named: str) -> None:
+    directory = _hf_dir(tmp_path / "m", weight_map={"model.norm.weight": shard})
+    with pytest.raises(ValueError, match="model.safetensors.index.json: tensor 'model.norm.weight' " + named):
+        checkpoint.load_hf(directory)
+
+
+@pytest.mark.parametrize("update, named", [
+    ({"num_hidden_layers": 10**9}, "states 1000000000 layers, its tensors hold only 2"),
+    ({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 10**9, "use_sliding_window": True,
+      "sliding_window": 4, "max_window_layers": 1}, "states 1000000000 layers, its tensors hold only 2"),
+    ({"hidden_size": 2**62, "head_dim": 16}, "the embedding would be 300 x 4611686018427387904"),
+    ({"intermediate_size": 2**62}, "a feed-forward weight would be 4611686018427387904 x 64"),
+    ({"vocab_size": 10**12}, "the embedding would be 1000000000000 x 64"),
+], ids=["layers-1e9", "qwen2-layers-1e9", "hidden-2**62", "ffn-2**62", "vocab-1e12"])
+def test_absurd_config_sizes_are_named_before_any_per_layer_list_or_meta_model(tmp_path: Path,
+                                                                               update: Dict[str, object],
+                                                                               named: str) -> None:
+    # A billion layers made a list of a billion windows (35 s, 8 GB) before the count was checked;
+    # a 2**62 width overflowed inside torch's meta tensors (RuntimeError).
+    import time
+
+    directory = _hf_dir(tmp_path / "m", config_update=update)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="config.json.*" + named):
+        checkpoint.load_hf(directory)
+    assert time.monotonic() - start < 5
+
+
+# --------------------------------------------------------------------------- #
+# tokenizer_config.json beside a tokenizer.json
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_json(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tokenizer.json converted from the tiny GGUF vocabulary (96 tokens, '<|end|>' = 95)."""
+    tmp = tmp_path_factory.mktemp("tok")
+    return gguf_import.write_tokenizer(write_gguf(tmp / "tok.gguf", small_model(), metadata=_tiny_tokenizer),
+                                       tmp / "tok")
+
+
+@pytest.mark.parametrize("update, named", [
+    ({"add_bos_token": "false"}, "'add_bos_token' must be true or false, got 'false'"),
+    ({"stop_token_ids": ["95"]}, "'stop_token_ids' must be an integer or a list of integers"),
+    # 97: transformers' conversion adds '<|endoftext|>' (id 96) to the 96 GGUF tokens.
+    ({"stop_token_ids": [97]}, "'stop_token_ids' holds 97, outside the vocabulary of 97 tokens"),
+    ({"stop_token_ids": [-1]}, "'stop_token_ids' holds -1, outside"),
+    ({"chat_template": 5}, "'chat_template' must be a string, got int"),
+    ({"chat_template": "{% for %}"}, "the chat template is not valid Jinja .line 1"),
+    ({"chat_template": [{"name": "tool_use", "template": "x"}]}, "lists templates but none named 'default'"),
+    ({"bos_token": 5}, "'bos_token' must be a string or an object with 'content', got 5"),
+    ({"eos_token": ["<|end|>"]}, "'eos_token' must be a string or an object with 'content'"),
+    ({"eos_token": "<nope>"}, "eos_token '<nope>' is not a token of tokenizer.json"),
+    ({"eos_token": {"text": "<|end|>"}}, "eos_token has no 'content'"),
+], ids=lambda v: str(v)[:30] if isinstance(v, dict) else None)
+def test_tokenizer_config_fields_of_the_wrong_type_or_outside_the_vocabulary_are_named(
+        tmp_path: Path, tiny_tokenizer_json: Path, update: Dict[str, object], named: str) -> None:
+    # Before: "false" prepended BOS, bos_token 5 was the token "5", an unknown EOS was silently no EOS,
+    # a bad template failed at the first chat turn with jinja's TypeError or TemplateSyntaxError.
+    import json
+
+    import tokenizer
+
+    directory = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer_json.parent, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, **update}))
+    with pytest.raises(ValueError, match="tokenizer_config.json.*" + named):
+        tokenizer.load_tokenizer(directory / "tokenizer.json")
+
+
+def test_the_tiny_tokenizer_config_loads_with_a_default_named_template(tmp_path: Path,
+                                                                       tiny_tokenizer_json: Path) -> None:
+    import json
+
+    import tokenizer
+
+    directory = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer_json.parent, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": "{{ messages[0]['content'] }}"}]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = tokenizer.load_tokenizer(directory / "tokenizer.json")
+    assert tok.eos_id == 95 and 95 in tok.stop_ids() and tok.chat_prompt("ab") == tok.encode("ab", bos=False)

@@ -127,6 +127,11 @@ def permute_half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
+# 2**40 elements (2 TB in bf16) per weight: the largest real ones (262k-token embeddings of width
+# 16k) hold ~2**32.
+MAX_WEIGHT_ELEMENTS = 1 << 40
+
+
 def check_args(args: ModelArgs, where: str, layers_held: Optional[int] = None) -> None:
     """Refuse settings no model computes with (zero sizes, a non-positive RoPE base, a negative or
     non-finite norm epsilon, degenerate RoPE scaling), naming them, before anything is built; and a
@@ -139,6 +144,12 @@ def check_args(args: ModelArgs, where: str, layers_held: Optional[int] = None) -
         raise ValueError(f"{where}: the feed-forward size must be >= 1, got {args.hidden_dim}")
     if args.attention_head_dim is not None and args.attention_head_dim < 1:
         raise ValueError(f"{where}: the head dim must be >= 1, got {args.attention_head_dim}")
+    # Sizes past any real checkpoint (a damaged count): named here, not as an overflow inside torch.
+    for what, rows, cols in (("the embedding", args.vocab_size, args.dim), ("a feed-forward weight", args.ffn_hidden, args.dim),
+                             ("the query projection", args.n_heads * args.head_dim, args.dim)):
+        if rows * cols > MAX_WEIGHT_ELEMENTS:
+            raise ValueError(f"{where}: {what} would be {rows} x {cols}, more than the {MAX_WEIGHT_ELEMENTS} "
+                             "elements any checkpoint's weight holds")
     if args.n_heads % args.n_kv_heads:
         raise ValueError(f"{where}: {args.n_heads} query heads is not a multiple of {args.n_kv_heads} KV heads")
     if not (math.isfinite(args.rope_theta) and args.rope_theta > 0):
@@ -183,6 +194,22 @@ def _common_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
     return max(totals, key=totals.__getitem__)
 
 
+def _check_finite(tensor: torch.Tensor, what: str, before_cast: Optional[torch.Tensor] = None) -> None:
+    """A ValueError naming ``what`` when ``tensor`` holds NaN or infinite values (and, for a cast,
+    the largest magnitude that overflowed)."""
+    bad = ~torch.isfinite(tensor)
+    if not bad.any():
+        return
+    count, first = int(bad.sum()), tuple(int(i) for i in bad.nonzero()[0])
+    if before_cast is not None:
+        largest = float(before_cast.abs().max())
+        raise ValueError(f"{what} overflows: {count} values become infinite (the largest magnitude is {largest:g}; "
+                         f"{tensor.dtype} holds up to {torch.finfo(tensor.dtype).max:g}); keep the checkpoint's "
+                         "dtype or pass another --dtype")
+    raise ValueError(f"{what} holds {count} NaN or infinite values (the first at index {first}): "
+                     "a damaged checkpoint")
+
+
 def build_model(
     args: ModelArgs,
     state: Mapping[str, torch.Tensor],
@@ -221,9 +248,17 @@ def build_model(
             raise ValueError(f"checkpoint is missing tensor {label(key)}")
 
     target = dtype or _common_dtype(state.values())
+    cast = {}
+    for key, tensor in state.items():
+        # Refused, not warned: a NaN or infinite weight turns every logit it reaches into NaN (or a
+        # constant argmax), so the model would generate garbage that looks like a working export.
+        _check_finite(tensor, f"checkpoint tensor {label(key)}")
+        cast[key] = tensor.to(target)
+        if target.itemsize < tensor.dtype.itemsize or target == torch.float16:  # a narrower range: may overflow
+            _check_finite(cast[key], f"checkpoint tensor {label(key)} cast to {target}", tensor)
     with torch.device("meta"):
         model = Transformer(args)
-    model.load_state_dict({k: v.to(target) for k, v in state.items()}, strict=True, assign=True)
+    model.load_state_dict(cast, strict=True, assign=True)
     if args.tie_embeddings:
         # assign=True replaced the two entries separately; restore the tie.
         model.output.weight = model.tok_embeddings.weight
@@ -426,8 +461,9 @@ def hf_to_model_name(name: str) -> Optional[str]:
     return map_tensor_name(name, _HF_TOP_NAMES, _HF_LAYER, _HF_LAYER_NAMES)
 
 
-def hf_args(config: Mapping[str, object]) -> ModelArgs:
-    """ModelArgs from a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling)."""
+def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> ModelArgs:
+    """ModelArgs from a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling); a layer count
+    above the ``layers_held`` blocks the weights carry is named before any per-layer list is made."""
     where = "config.json"
     archs = list(json_field(config, "architectures", "strs", where, []))
     if not archs:
@@ -457,6 +493,8 @@ def hf_args(config: Mapping[str, object]) -> ModelArgs:
         raise ValueError(f"config.json sets mlp_bias=true, which {', '.join(archs)} does not read "
                          "(only LlamaForCausalLM's MLP has biases)")
     n_layers = _number(config, "num_hidden_layers", where)
+    if layers_held is not None and n_layers > layers_held:  # a damaged count listed a window per layer (GBs)
+        raise ValueError(f"{where} states {n_layers} layers, its tensors hold only {layers_held}")
     # Qwen3 decides its sliding layers as Qwen2 does.
     windows = _hf_windows(config, n_layers, qwen2 or qwen3)
     act = json_field(config, "hidden_act", "str", where, "silu")
@@ -543,7 +581,7 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> Lis
     types = json_field(config, "layer_types", "strs", where, None)
     if types is not None:
         if len(types) != n_layers:
-            raise ValueError(f"config.json: layer_types must list {n_layers} layers, got {types!r}")
+            raise ValueError(f"config.json: layer_types must list {n_layers} layers, it lists {len(types)}")
         unknown = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
         if unknown:
             raise ValueError(f"config.json: layer type(s) {unknown} are not supported")
@@ -553,9 +591,12 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> Lis
     elif qwen2:
         first = _number(config, "max_window_layers", where, default=n_layers)
         use = json_field(config, "use_sliding_window", "bool", where, False)
-        windows = [window if use and i >= first else 0 for i in range(n_layers)]
+        first = min(max(first, 0), n_layers)
+        # One entry when every layer is alike: a list per layer is made only when they differ.
+        windows = [0] * first + [window] * (n_layers - first) if use and window and 0 < first < n_layers \
+            else [window if use and first < n_layers else 0]
     else:
-        windows = [window] * n_layers
+        windows = [window]
     return windows if len(set(windows)) > 1 else windows[:1]
 
 
@@ -642,7 +683,13 @@ def _hf_files(directory: Path) -> List[Path]:
             weight_map = read_json_object(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError(f"{index} has no weight_map")
-            files = sorted({directory / str(f) for f in weight_map.values()})
+            for name, f in weight_map.items():
+                # A shard named outside the directory ("../../x", "/etc/x") would read a file the
+                # checkpoint does not own; a non-string would be str()-ed into a made-up name.
+                if not isinstance(f, str) or not f or Path(f).is_absolute() \
+                        or not (directory / f).resolve().is_relative_to(directory.resolve()):
+                    raise ValueError(f"{index}: tensor {name!r} names shard {f!r}, not a file inside {directory}")
+            files = sorted({directory / f for f in weight_map.values()})
             for f in files:
                 if not f.is_file():
                     raise FileNotFoundError(f"shard {f.name} named by {index.name} is missing")
@@ -678,15 +725,16 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
     config = read_json_object(config_path)
-    args = hf_args(config)
+    files = {f: _read_tensors(f) for f in _hf_files(directory)}
+    args = hf_args(config, layers_held_by((n for t in files.values() for n in t), "model.layers."))
 
     state: Dict[str, torch.Tensor] = {}
     source_names: Dict[str, str] = {}  # model name -> the name read from the files
     if args.tie_embeddings:
         source_names["output.weight"] = "model.embed_tokens.weight"
     lm_head: Optional[torch.Tensor] = None
-    for f in _hf_files(directory):
-        for name, tensor in _read_tensors(f).items():
+    for f, tensors in files.items():
+        for name, tensor in tensors.items():
             if _DERIVED.search(name):
                 continue
             if name == "lm_head.weight" and args.tie_embeddings:

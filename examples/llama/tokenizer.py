@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from json_files import read_json_object
+from json_files import json_field, read_json_object
 
 BYTE_VOCAB = 256
 BYTE_BOS = 256
@@ -100,29 +100,51 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = self._model.get_vocab_size()
         config_path = path.parent / "tokenizer_config.json"
         config = read_json_object(config_path) if config_path.is_file() else {}
-        self.chat_template: Optional[str] = config.get("chat_template")
+        where = str(config_path)
+        self.chat_template: Optional[str] = _chat_template(config, where)
         template_file = path.parent / "chat_template.jinja"  # where transformers 5 saves it
         if self.chat_template is None and template_file.is_file():
             self.chat_template = template_file.read_text()
+            where = str(template_file)
+        if self.chat_template is not None:
+            _compile_template(self.chat_template, where)  # a broken template is named now, not at the first chat
         # Some models (SmolLM2) never prepend BOS to plain text.
-        self.add_bos = bool(config.get("add_bos_token", True))
+        self.add_bos = json_field(config, "add_bos_token", "bool", str(config_path), True)
         # Ids the checkpoint ends a turn with besides EOS (a GGUF's EOT/EOM).
-        self._config_stops = [int(i) for i in config.get("stop_token_ids") or []]
-        self.bos_id = self._token_id(config.get("bos_token")) if "bos_token" in config else self._impl.bos_id
-        self.eos_id = self._token_id(config.get("eos_token")) if "eos_token" in config else self._impl.eos_id
-        self._bos_text = self._content(config.get("bos_token"))
-        self._eos_text = self._content(config.get("eos_token"))
+        stops = json_field(config, "stop_token_ids", "int_or_ints", str(config_path), [])
+        self._config_stops = stops if isinstance(stops, list) else [stops]
+        for i in self._config_stops:
+            if not 0 <= i < self.vocab_size:  # a stop id no step can produce would never stop anything
+                raise ValueError(f"{config_path}: 'stop_token_ids' holds {i}, outside the vocabulary of "
+                                 f"{self.vocab_size} tokens of {path.name}")
+        self._bos_text = self._special_text(config, "bos_token", str(config_path))
+        self._eos_text = self._special_text(config, "eos_token", str(config_path))
+        self.bos_id = self._special_id(self._bos_text, "bos_token", str(config_path)) if "bos_token" in config \
+            else self._impl.bos_id
+        self.eos_id = self._special_id(self._eos_text, "eos_token", str(config_path)) if "eos_token" in config \
+            else self._impl.eos_id
         self._extra_stops = [i for i in (self._model.token_to_id(t) for t in _LLAMA3_EXTRA_STOPS) if i is not None]
 
     @staticmethod
-    def _content(token: object) -> str:
+    def _special_text(config: Dict[str, object], key: str, where: str) -> str:
+        """A special token's text: a string, an AddedToken object (older configs) or null ("")."""
+        token = config.get(key)
         if isinstance(token, dict):  # older configs store AddedToken dicts
-            return str(token.get("content", ""))
-        return "" if token is None else str(token)
+            token = json_field(token, "content", "str", f"{where} {key}")
+        elif token is not None and not isinstance(token, str):
+            # str(5) would be looked up as the token "5": another token, silently.
+            raise ValueError(f"{where}: {key!r} must be a string or an object with 'content', got {token!r}")
+        return token or ""
 
-    def _token_id(self, token: object) -> Optional[int]:
-        text = self._content(token)
-        return self._model.token_to_id(text) if text else None
+    def _special_id(self, text: str, key: str, where: str) -> Optional[int]:
+        """The id of a special token the config names; one the vocabulary lacks is named (read as
+        no token, EOS would never end generation)."""
+        if not text:
+            return None
+        found = self._model.token_to_id(text)
+        if found is None:
+            raise ValueError(f"{where}: {key} {text!r} is not a token of {Path(str(self.path)).name}")
+        return found
 
     def encode(self, text: str, bos: bool = True) -> List[int]:
         # add_special_tokens=False: BOS is added here, once, whatever the post-processor does.
@@ -204,6 +226,30 @@ class TiktokenLlama3Tokenizer(_PytorchTokenizersModel):
             text += header(m["role"]) + m["content"] + "<|eot_id|>"
         text += header("assistant")
         return self._impl.encode(text, bos=False, eos=False, allowed_special="all")
+
+
+def _chat_template(config: Dict[str, object], where: str) -> Optional[str]:
+    """tokenizer_config.json's chat template: a string, or transformers' list of named templates
+    (the one named "default" is what transformers applies without a name)."""
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+        if template is None:
+            raise ValueError(f"{where}: 'chat_template' lists templates but none named 'default' "
+                             f"(names: {sorted(map(str, named))})")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{where}: 'chat_template' must be a string, got {type(template).__name__}")
+    return template
+
+
+def _compile_template(template: str, where: str) -> None:
+    import jinja2
+
+    try:
+        jinja2.Environment(trim_blocks=True, lstrip_blocks=True).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{where}: the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
 
 
 def load_tokenizer(path: "str | Path | None") -> Tokenizer:
