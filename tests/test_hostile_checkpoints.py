@@ -521,3 +521,40 @@ def test_the_tiny_tokenizer_config_loads_with_a_default_named_template(tmp_path:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     tok = tokenizer.load_tokenizer(directory / "tokenizer.json")
     assert tok.eos_id == 95 and 95 in tok.stop_ids() and tok.chat_prompt("ab") == tok.encode("ab", bos=False)
+
+
+# --------------------------------------------------------------------------- #
+# GGUF metadata that disagrees with the tensors, and damaged tensor data
+# --------------------------------------------------------------------------- #
+
+
+def _with_value(path: Path, key: str, fmt: str, value: object, out: Path) -> Path:
+    _, value_at = _field_offsets(path, key)
+    return _patched(path, value_at, struct.pack(fmt, value), out)
+
+
+@pytest.mark.parametrize("key, fmt, value, named", [
+    ("llama.embedding_length", "<I", 128, "'llama.embedding_length' is 128, the rows of tensor 'token_embd.weight' are 64 wide"),
+    ("llama.attention.head_count", "<I", 3, "'llama.embedding_length' .64. is not a multiple of "
+                                            "'llama.attention.head_count' .3. and no key_length is given"),
+    ("llama.vocab_size", "<I", 2**32 - 1, "'token_embd.weight' .* has shape .96, 64., the model expects .4294967295, 64."),
+    ("llama.feed_forward_length", "<I", 2**32 - 1, "'blk.0.ffn_gate.weight' .* the model expects .4294967295, 64."),
+], ids=["embedding_length", "head_count", "vocab_size", "feed_forward_length"])
+def test_gguf_metadata_that_disagrees_with_its_tensors_names_the_key_or_tensor(tmp_path: Path, key: str, fmt: str,
+                                                                               value: object, named: str) -> None:
+    # head_count 3 split 64 into heads of 21 (truncated) and was reported as "partial rotary embedding".
+    src = write_gguf(tmp_path / "m.gguf", small_model())
+    with pytest.raises(ValueError, match=named):
+        gguf_import.load_gguf(_with_value(src, key, fmt, value, tmp_path / "bad.gguf"))
+
+
+@pytest.mark.parametrize("tensor, value, named", [
+    ("blk.0.ffn_up.weight", float("nan"), r"'blk.0.ffn_up.weight' .* holds 1 NaN or infinite values .the first at index \(0, 0\)"),
+    ("output_norm.weight", float("-inf"), r"'output_norm.weight' .* holds 1 NaN or infinite values"),
+])
+def test_nan_or_infinite_gguf_tensor_data_is_refused_naming_the_tensor(tmp_path: Path, tensor: str, value: float,
+                                                                       named: str) -> None:
+    src = write_gguf(tmp_path / "m.gguf", small_model())
+    at = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == tensor).data_offset
+    with pytest.raises(ValueError, match=named):
+        gguf_import.load_gguf(_patched(src, at, struct.pack("<f", value), tmp_path / "bad.gguf"))

@@ -237,12 +237,21 @@ def gguf_args(f: GGUFFile, tensor_names: List[str]) -> ModelArgs:
     if dim < 1 or n_heads < 1:
         raise ValueError(f"metadata '{f.architecture}.embedding_length' ({dim}) and "
                          f"'{f.architecture}.attention.head_count' ({n_heads}) must be >= 1")
+    embd = next((t for t in f.reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is not None and len(embd.shape) == 2 and int(embd.shape[0]) != dim:
+        # Named here: every later check (head widths, RoPE dims) would blame a consequence instead.
+        raise ValueError(f"{f.path.name}: metadata '{f.architecture}.embedding_length' is {dim}, the rows of "
+                         f"tensor 'token_embd.weight' are {int(embd.shape[0])} wide")
+    if not f.has(f"{f.architecture}.attention.key_length") and dim % n_heads:
+        # Without an explicit head width the heads split the embedding; a damaged count would truncate it.
+        raise ValueError(f"{f.path.name}: metadata '{f.architecture}.embedding_length' ({dim}) is not a multiple of "
+                         f"'{f.architecture}.attention.head_count' ({n_heads}) and no key_length is given")
     head_dim: int = f.arch("attention.key_length", "int", dim // n_heads)  # type: ignore[assignment]
     if f.arch("attention.value_length", "int", head_dim) != head_dim:
         raise ValueError(f"metadata '{f.architecture}.attention.value_length' differs from key_length; not supported")
     rope_dims = f.arch("rope.dimension_count", "int", head_dim)
     if rope_dims != head_dim:
-        raise ValueError(f"partial rotary embedding ({f.architecture}.rope.dimension_count {rope_dims}, "
+        raise ValueError(f"{f.path.name}: partial rotary embedding ({f.architecture}.rope.dimension_count {rope_dims}, "
                          f"head dim {head_dim}) is not supported")
     vocab = f.arch("vocab_size", "int", None)
     if vocab is None and f.has("tokenizer.ggml.tokens"):
