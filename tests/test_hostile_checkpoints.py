@@ -558,3 +558,39 @@ def test_nan_or_infinite_gguf_tensor_data_is_refused_naming_the_tensor(tmp_path:
     at = next(t for t in gguf.GGUFReader(str(src)).tensors if t.name == tensor).data_offset
     with pytest.raises(ValueError, match=named):
         gguf_import.load_gguf(_patched(src, at, struct.pack("<f", value), tmp_path / "bad.gguf"))
+
+
+# --------------------------------------------------------------------------- #
+# run.py's sidecar
+# --------------------------------------------------------------------------- #
+
+
+def _side() -> Dict[str, object]:
+    return {"max_write": 8, "model_args": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=300).to_dict(),
+            "tokenizer": {"kind": "bytes", "path": None, "stop_ids": [257]},
+            "source": {"format": "deterministic", "seed": 0}, "weights_dtype": "fp32"}
+
+
+@pytest.mark.parametrize("update, named", [
+    ({"tokenizer": "bytes"}, "s.pte.json: 'tokenizer' must be a JSON object, got 'bytes'"),
+    ({"tokenizer": {"path": 5}}, "s.pte.json tokenizer: 'path' must be a string, got 5"),
+    ({"tokenizer": {"kind": "bytes", "stop_ids": "257"}}, "'stop_ids' must be an integer or a list of integers"),
+    ({"tokenizer": {"kind": "bytes", "stop_ids": [300]}}, "tokenizer stop id 300 is outside the model's vocabulary of 300"),
+    ({"model_args": {**_side()["model_args"], "evil": 1}}, r"model_args: unknown field\(s\) \['evil'\]"),  # type: ignore[dict-item]
+    ({"model_args": {**_side()["model_args"], "dim": "64"}}, "model_args: 'dim' must be an integer, got '64'"),  # type: ignore[dict-item]
+    ({"model_args": {**_side()["model_args"], "n_heads": 0}}, "model_args: n_heads must be >= 1, got 0"),  # type: ignore[dict-item]
+    ({"model_args": {**_side()["model_args"], "tie_embeddings": "false"}}, "'tie_embeddings' must be true or false"),  # type: ignore[dict-item]
+], ids=["tokenizer-str", "path-int", "stop-ids-str", "stop-id-range", "unknown-arg", "dim-str", "heads-0", "tie-str"])
+def test_run_names_a_damaged_sidecar_before_loading_anything(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                             update: Dict[str, object], named: str) -> None:
+    # Before: AttributeError/TypeError from tok_info.get or Path(5), and ModelArgs(**...) took any key or type.
+    import json
+    import re
+
+    import run
+
+    pte = tmp_path / "s.pte"
+    pte.write_bytes(b"\0" * 64)
+    (tmp_path / "s.pte.json").write_text(json.dumps({**_side(), **update}))
+    assert run.main([str(pte), "--max-new-tokens", "1", "--quiet"]) == 2
+    assert re.search("error: .*" + named, capsys.readouterr().err)

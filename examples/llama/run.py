@@ -28,7 +28,7 @@ if str(_HERE) not in sys.path:
 
 import torch  # noqa: E402
 
-from json_files import read_json_object  # noqa: E402
+from json_files import json_field, read_json_object  # noqa: E402
 from model import ModelArgs, Transformer, init_deterministic, positions  # noqa: E402
 from report import format_bytes  # noqa: E402
 from tokenizer import Tokenizer, load_tokenizer  # noqa: E402
@@ -75,7 +75,41 @@ def read_sidecar(pte: "str | Path") -> Dict[str, object]:
         raise ValueError(f"{path}: 'max_write' must be a positive integer, got {max_write!r}")
     if not isinstance(args, dict) or not isinstance(args.get("vocab_size"), int) or args["vocab_size"] < 1:
         raise ValueError(f"{path}: 'model_args' must be an object with a positive integer 'vocab_size'")
+    model_args_from_json(args, f"{path} model_args")  # typed now: --check builds a model from them
+    # The tokenizer entry steers which file is read and which ids stop generation.
+    tok = json_field(side, "tokenizer", "object", str(path), {})
+    for key in ("path", "kind"):
+        json_field(tok, key, "str", f"{path} tokenizer", None)
+    for i in json_field(tok, "stop_ids", "int_or_ints", f"{path} tokenizer", []) or []:
+        if not 0 <= i < args["vocab_size"]:
+            raise ValueError(f"{path}: tokenizer stop id {i} is outside the model's vocabulary of {args['vocab_size']}")
     return side
+
+
+# ModelArgs' fields and the JSON kind each is written as (export.py writes ``asdict``).
+_MODEL_ARG_KINDS = {
+    "dim": "int", "n_layers": "int", "n_heads": "int", "n_kv_heads": "int", "vocab_size": "int", "hidden_dim": "int",
+    "multiple_of": "int", "ffn_dim_multiplier": "number", "norm_eps": "number", "rope_theta": "number",
+    "rope_scaling": "object", "sliding_windows": "int_or_ints", "tie_embeddings": "bool", "attention_head_dim": "int",
+    "qkv_bias": "bool", "out_bias": "bool", "mlp_bias": "bool", "qk_norm": "bool", "full_logits": "bool",
+}
+
+
+def model_args_from_json(values: Dict[str, object], where: str) -> ModelArgs:
+    """ModelArgs from a sidecar's ``model_args``: known fields only, each of its JSON kind, then the
+    loaders' own sanity checks (ModelArgs(**...) took any key and any type, unchecked)."""
+    from checkpoint import check_args
+
+    unknown = sorted(set(values) - set(_MODEL_ARG_KINDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}")
+    typed = {k: json_field(values, k, kind, where, None) for k, kind in _MODEL_ARG_KINDS.items() if k in values}
+    if isinstance(typed.get("sliding_windows"), int):
+        raise ValueError(f"{where}: 'sliding_windows' must be a list of integers")
+    args = ModelArgs(**{k: v for k, v in typed.items() if v is not None or k in ("hidden_dim", "ffn_dim_multiplier",
+                                                                                 "rope_scaling", "attention_head_dim")})
+    check_args(args, where)
+    return args
 
 
 # --------------------------------------------------------------------------- #
@@ -143,7 +177,7 @@ class TextStream:
 
 def build_eager_reference(sidecar: Dict[str, object]) -> Transformer:
     """The eager model the .pte was exported from, rebuilt from the sidecar."""
-    args = ModelArgs(**sidecar["model_args"])
+    args = model_args_from_json(sidecar["model_args"], "the sidecar's model_args")
     source = sidecar["source"]
     dtype = dtype_from_name(sidecar["weights_dtype"], what="weights_dtype")
     if source["format"] == "deterministic":
