@@ -594,3 +594,40 @@ def test_run_names_a_damaged_sidecar_before_loading_anything(tmp_path: Path, cap
     (tmp_path / "s.pte.json").write_text(json.dumps({**_side(), **update}))
     assert run.main([str(pte), "--max-new-tokens", "1", "--quiet"]) == 2
     assert re.search("error: .*" + named, capsys.readouterr().err)
+
+
+# --------------------------------------------------------------------------- #
+# JSON files themselves
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("text, named", [
+    ('{"a": ' + "[" * 100000 + "]" * 100000 + "}", "it nests deeper than Python's decoder follows"),
+    ('{"hidden_size": 64, "hidden_size": 128}', "key 'hidden_size' appears twice in one object"),
+], ids=["deep-nesting", "duplicate-key"])
+def test_json_files_that_json_reads_loosely_or_not_at_all_are_named(tmp_path: Path, text: str, named: str) -> None:
+    # Before: a RecursionError, and the last of two hidden_size values taken silently.
+    from json_files import read_json_object
+
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="config.json is not valid JSON: " + named):
+        read_json_object(path)
+
+
+def test_a_json_config_larger_than_any_real_one_is_named_without_reading_it(tmp_path: Path) -> None:
+    import json_files
+
+    path = tmp_path / "config.json"
+    with open(path, "wb") as f:  # sparse: no bytes written
+        f.truncate(json_files.MAX_JSON_BYTES + 1)
+    with pytest.raises(ValueError, match=f"config.json is {json_files.MAX_JSON_BYTES + 1} bytes, more than"):
+        json_files.read_json_object(path)
+
+
+def test_a_sliding_window_wider_than_any_context_is_named_unless_the_context_is_stated() -> None:
+    with pytest.raises(ValueError, match="sliding_window 1099511627776 is wider than any model's context"):
+        checkpoint.hf_args({**_HF_BASE, "sliding_window": 2**40})
+    # transformers' rule first: a window as wide as the stated context is full attention.
+    args = checkpoint.hf_args({**_HF_BASE, "sliding_window": 2**40, "max_position_embeddings": 4096})
+    assert args.sliding_windows == [0]

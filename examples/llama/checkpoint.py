@@ -130,6 +130,8 @@ def permute_half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # 2**40 elements (2 TB in bf16) per weight: the largest real ones (262k-token embeddings of width
 # 16k) hold ~2**32.
 MAX_WEIGHT_ELEMENTS = 1 << 40
+# 16M tokens: wider than any model's context (a ring layer allocates its window's rows).
+MAX_WINDOW = 1 << 24
 
 
 def check_args(args: ModelArgs, where: str, layers_held: Optional[int] = None) -> None:
@@ -578,6 +580,9 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> Lis
     longest = json_field(config, "max_position_embeddings", "int", where, 0)
     if longest > 0 and window >= longest:
         window = 0
+    if window > MAX_WINDOW:  # a ring of that many rows is allocated per layer at run time
+        raise ValueError(f"config.json: sliding_window {window} is wider than any model's context "
+                         f"(at most {MAX_WINDOW}); a damaged config")
     types = json_field(config, "layer_types", "strs", where, None)
     if types is not None:
         if len(types) != n_layers:

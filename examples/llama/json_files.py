@@ -8,13 +8,33 @@ from pathlib import Path
 from typing import Any, Dict, Mapping, Union
 
 
+# The largest JSON file the example reads whole (configs, indexes, tokenizer configs of a few MB):
+# a damaged or hostile "config.json" of gigabytes is named, not read into memory.
+MAX_JSON_BYTES = 64 << 20
+
+
+def _no_duplicate_keys(pairs: "list[tuple[str, object]]") -> Dict[str, object]:
+    # json keeps the last of duplicated keys silently: two hidden_size values are a damaged file.
+    out: Dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
 def read_json_object(path: Union[str, Path]) -> Dict[str, object]:
     """A JSON object from ``path``; a ValueError naming the file otherwise."""
     path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ValueError(f"{path} is {size} bytes, more than the {MAX_JSON_BYTES} a JSON config may take")
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(), object_pairs_hook=_no_duplicate_keys)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
+    except RecursionError:  # deeply nested arrays exhaust the decoder's recursion
+        raise ValueError(f"{path} is not valid JSON: it nests deeper than Python's decoder follows") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value
