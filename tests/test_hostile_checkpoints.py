@@ -631,3 +631,45 @@ def test_a_sliding_window_wider_than_any_context_is_named_unless_the_context_is_
     # transformers' rule first: a window as wide as the stated context is full attention.
     args = checkpoint.hf_args({**_HF_BASE, "sliding_window": 2**40, "max_position_embeddings": 4096})
     assert args.sliding_windows == [0]
+
+
+# --------------------------------------------------------------------------- #
+# Meta model-parallel shards
+# --------------------------------------------------------------------------- #
+
+
+def _meta_shards(directory: Path, damage: Callable[[Dict[str, object]], None]) -> Path:
+    """Two model-parallel shards of a small Meta checkpoint; ``damage`` edits shard 1."""
+    import json
+
+    import torch
+
+    from model import Transformer, init_deterministic
+
+    params = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 300, "multiple_of": 32}
+    state = checkpoint.to_meta_state_dict(init_deterministic(Transformer(checkpoint.meta_args(params))))
+    directory.mkdir(parents=True)
+    for i in range(2):
+        shard = {k: v if checkpoint._meta_shard_dim(k) is None else v.chunk(2, checkpoint._meta_shard_dim(k))[i].clone()
+                 for k, v in state.items()}
+        if i == 1:
+            damage(shard)  # type: ignore[arg-type]
+        torch.save(shard, directory / f"consolidated.{i:02d}.pth")
+    (directory / "params.json").write_text(json.dumps(params))
+    return directory
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda s: s.update({"layers.0.attention.wq.weight": s["layers.0.attention.wq.weight"][:, :10].clone()}),
+     r"shard 1 holds tensor 'layers.0.attention.wq.weight' of shape \(32, 10\), which does not concatenate with "
+     r"shard 0's \(32, 64\) along dim 0"),
+    (lambda s: s.update({"norm.weight": s["norm.weight"] * 2}), "shard 1 holds replicated tensor 'norm.weight' with "
+                                                                "other values than shard 0"),
+    (lambda s: s.update({"layers.1.feed_forward.w2.weight": s["layers.1.feed_forward.w2.weight"].half()}),
+     "shard 1 stores tensor 'layers.1.feed_forward.w2.weight' as torch.float16, shard 0 as torch.float32"),
+], ids=["sizes", "replicated-differs", "dtype"])
+def test_meta_shards_that_do_not_agree_are_named(tmp_path: Path, damage: Callable[[Dict[str, object]], None],
+                                                 named: str) -> None:
+    # Before: torch.cat's RuntimeError, a silent dtype promotion, and shard 0's norm taken alone.
+    with pytest.raises(ValueError, match="model-parallel " + named):
+        checkpoint.load_meta(_meta_shards(tmp_path / "m", damage))

@@ -358,7 +358,22 @@ def _merge_meta_shards(shards: List[Dict[str, torch.Tensor]]) -> Dict[str, torch
     merged = {}
     for name in names:
         dim = _meta_shard_dim(name)
-        merged[name] = shards[0][name] if dim is None else torch.cat([s[name] for s in shards], dim=dim)
+        first = shards[0][name]
+        for i, shard in enumerate(shards[1:], start=1):
+            t = shard[name]
+            # torch.cat promotes mixed dtypes and raises its own error on mismatched sizes; a replicated
+            # tensor (a norm) that differs would be taken from shard 0 alone: all are a damaged shard.
+            if t.dtype != first.dtype:
+                raise ValueError(f"model-parallel shard {i} stores tensor {name!r} as {t.dtype}, shard 0 as {first.dtype}")
+            kept = [d for d in range(first.dim()) if d != dim]
+            if t.dim() != first.dim() or [t.shape[d] for d in kept] != [first.shape[d] for d in kept]:
+                raise ValueError(f"model-parallel shard {i} holds tensor {name!r} of shape {tuple(t.shape)}, "
+                                 f"which does not {'concatenate with' if dim is not None else 'equal'} shard 0's "
+                                 f"{tuple(first.shape)}" + (f" along dim {dim}" if dim is not None else ""))
+            if dim is None and not torch.equal(t, first):
+                raise ValueError(f"model-parallel shard {i} holds replicated tensor {name!r} with other values "
+                                 "than shard 0")
+        merged[name] = first if dim is None else torch.cat([s[name] for s in shards], dim=dim)
     return merged
 
 

@@ -349,10 +349,10 @@ def load_gguf(path: "str | Path", dtype: "str | torch.dtype | None" = None) -> L
             continue
         key = gguf_to_model_name(t.name)
         if key is None or key not in expected:  # unknown name, or a block past block_count
-            raise ValueError(f"GGUF tensor {t.name!r} is not used by the model ({args.n_layers} blocks)")
+            raise ValueError(f"{f.path.name}: GGUF tensor {t.name!r} is not used by the model ({args.n_layers} blocks)")
         shape = tuple(int(d) for d in reversed(t.shape))
         if shape != tuple(expected[key]):
-            raise ValueError(f"GGUF tensor {t.name!r} (model tensor {key!r}) has shape {shape}, "
+            raise ValueError(f"{f.path.name}: GGUF tensor {t.name!r} (model tensor {key!r}) has shape {shape}, "
                              f"the model expects {tuple(expected[key])}")
         source_names[key] = t.name
     if args.tie_embeddings:
