@@ -673,3 +673,33 @@ def test_meta_shards_that_do_not_agree_are_named(tmp_path: Path, damage: Callabl
     # Before: torch.cat's RuntimeError, a silent dtype promotion, and shard 0's norm taken alone.
     with pytest.raises(ValueError, match="model-parallel " + named):
         checkpoint.load_meta(_meta_shards(tmp_path / "m", damage))
+
+
+@pytest.mark.parametrize("extra, named", [
+    (lambda w: w.add_chat_template("{% for %}"),
+     "tok.gguf metadata 'tokenizer.chat_template': the chat template is not valid Jinja"),
+    (lambda w: w.add_token_merges(["a b", "x q"]),
+     "tok.gguf: transformers could not convert its tokenizer: .*Token `xq` out of vocabulary"),
+], ids=["template-not-jinja", "merge-out-of-vocab"])
+def test_gguf_tokenizers_that_cannot_be_converted_are_named_at_conversion(tmp_path: Path,
+                                                                          extra: Callable[["gguf.GGUFWriter"], None],
+                                                                          named: str) -> None:
+    # Before: a template failed at the first chat turn; transformers' own Exception types escaped.
+    def meta(w: "gguf.GGUFWriter") -> None:
+        _tiny_tokenizer(w, skip="merges" if "merge" in named else "")
+        extra(w)
+
+    path = write_gguf(tmp_path / "tok.gguf", small_model(), metadata=meta)
+    with pytest.raises(ValueError, match=named):
+        gguf_import.write_tokenizer(path, tmp_path / "out")
+
+
+def test_a_sentencepiece_gguf_vocabulary_without_merges_or_scores_is_named(tmp_path: Path) -> None:
+    # transformers rebuilds its merges from the scores: a KeyError('scores') before.
+    def meta(w: "gguf.GGUFWriter") -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(_TOKENS)
+
+    path = write_gguf(tmp_path / "tok.gguf", small_model(), metadata=meta)
+    with pytest.raises(ValueError, match="'tokenizer.ggml.scores' is missing; a SentencePiece .'llama'. vocabulary"):
+        gguf_import.write_tokenizer(path, tmp_path / "out")

@@ -479,6 +479,16 @@ def write_tokenizer(path: "str | Path", out_dir: "str | Path") -> Path:
     stops, _ = gguf_special_ids(f, f.arch("vocab_size", "int", None))  # type: ignore[arg-type]
     if not f.has("tokenizer.ggml.tokens"):
         raise ValueError(f"{f.path.name}: metadata 'tokenizer.ggml.tokens' is missing (the tokenizer's vocabulary)")
+    if f.get_str("tokenizer.ggml.model") == "llama" and not f.has("tokenizer.ggml.merges") \
+            and not f.has("tokenizer.ggml.scores"):
+        # transformers rebuilds a SentencePiece vocabulary's merges from the scores (a KeyError without them).
+        raise ValueError(f"{f.path.name}: metadata 'tokenizer.ggml.scores' is missing; a SentencePiece ('llama') "
+                         "vocabulary without merges needs its scores to be converted")
+    template = f.get("tokenizer.chat_template", "str", None)
+    if template is not None:  # named here, not when the runner first renders a chat turn
+        from tokenizer import _compile_template
+
+        _compile_template(template, f"{f.path.name} metadata 'tokenizer.chat_template'")  # type: ignore[arg-type]
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
