@@ -703,3 +703,23 @@ def test_a_sentencepiece_gguf_vocabulary_without_merges_or_scores_is_named(tmp_p
     path = write_gguf(tmp_path / "tok.gguf", small_model(), metadata=meta)
     with pytest.raises(ValueError, match="'tokenizer.ggml.scores' is missing; a SentencePiece .'llama'. vocabulary"):
         gguf_import.write_tokenizer(path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("update, named", [
+    ({"source": "deterministic"}, "the sidecar: 'source' must be a JSON object"),
+    ({"source": {"format": "deterministic", "seed": "0"}}, "the sidecar's source: 'seed' must be an integer"),
+    ({"source": {"format": "hf", "dir": 5}}, "the sidecar's source: 'dir' must be a string, got 5"),
+    ({"source": {"format": "gguf"}}, "the sidecar's source has no 'path'"),
+    ({"source": {"format": "onnx"}}, "unknown checkpoint source format 'onnx'"),
+    ({"weights_dtype": 16}, "the sidecar: 'weights_dtype' must be a string"),
+    ({"quantize": {"scheme": 8}}, "the sidecar's quantize: 'scheme' must be a string"),
+], ids=["source-str", "seed-str", "dir-int", "path-missing", "format", "dtype-int", "scheme-int"])
+def test_run_check_names_a_damaged_sidecar_source(update: Dict[str, object], named: str) -> None:
+    # --check rebuilt the eager model with sidecar["source"]["format"] and friends: KeyError/TypeError before.
+    import torch
+
+    import run
+
+    with pytest.raises(ValueError, match=named):
+        run.build_eager_reference({**_side(), **update})
+    assert isinstance(run.build_eager_reference(_side()), torch.nn.Module)

@@ -791,13 +791,15 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
 
 def load_from_source(source: Mapping[str, object], dtype: "str | torch.dtype | None" = None) -> LoadedCheckpoint:
     """Reload what an export sidecar's ``source`` entry describes."""
-    fmt = source.get("format")
+    where = "the sidecar's source"
+    fmt = json_field(source, "format", "str", where, None)
     if fmt == "meta":
-        return load_meta(str(source["checkpoint"]), str(source["params"]), dtype)
+        return load_meta(json_field(source, "checkpoint", "str", where), json_field(source, "params", "str", where),
+                         dtype)
     if fmt == "hf":
-        return load_hf(str(source["dir"]), dtype)
+        return load_hf(json_field(source, "dir", "str", where), dtype)
     if fmt == "gguf":
         from gguf_import import load_gguf  # imports this module: load late
 
-        return load_gguf(str(source["path"]), dtype)
+        return load_gguf(json_field(source, "path", "str", where), dtype)
     raise ValueError(f"unknown checkpoint source format {fmt!r}")

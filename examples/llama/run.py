@@ -177,22 +177,26 @@ class TextStream:
 
 def build_eager_reference(sidecar: Dict[str, object]) -> Transformer:
     """The eager model the .pte was exported from, rebuilt from the sidecar."""
-    args = model_args_from_json(sidecar["model_args"], "the sidecar's model_args")
-    source = sidecar["source"]
-    dtype = dtype_from_name(sidecar["weights_dtype"], what="weights_dtype")
-    if source["format"] == "deterministic":
-        model = init_deterministic(Transformer(args), seed=int(source["seed"])).to(dtype).eval()
+    where = "the sidecar"
+    args = model_args_from_json(sidecar["model_args"], f"{where}'s model_args")  # type: ignore[arg-type]
+    source = json_field(sidecar, "source", "object", where)
+    dtype = dtype_from_name(json_field(sidecar, "weights_dtype", "str", where), what="weights_dtype")
+    if json_field(source, "format", "str", f"{where}'s source") == "deterministic":
+        seed = json_field(source, "seed", "int", f"{where}'s source")
+        model = init_deterministic(Transformer(args), seed=seed).to(dtype).eval()
     else:
         from checkpoint import load_from_source
 
         model = load_from_source(source, dtype).model
     # The program returns every token's logits or the last one's, as its model did.
     model.args.full_logits = bool(sidecar["model_args"].get("full_logits", True))
-    q = sidecar.get("quantize")
+    q = json_field(sidecar, "quantize", "object", where, None)
     if q:  # the same torchao quantization the export applied, run by torchao's own tensors
         from quantize import DEFAULT_GROUP_SIZE, quantize_model
 
-        quantize_model(model, q["scheme"], q.get("group_size") or DEFAULT_GROUP_SIZE, torchao_only=True)
+        quantize_model(model, json_field(q, "scheme", "str", f"{where}'s quantize"),
+                       json_field(q, "group_size", "int", f"{where}'s quantize", None) or DEFAULT_GROUP_SIZE,
+                       torchao_only=True)
     return model
 
 
@@ -211,7 +215,8 @@ class EagerCheck:
             warnings.simplefilter("ignore")
             REGISTRY.install(self.key, ContiguousReferenceCache(CacheConfig(
                 n_layers=args.n_layers, n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, capacity=capacity,
-                dtype=dtype_from_name(sidecar["storage_dtype"]), layers=args.layer_policies())))
+                dtype=dtype_from_name(json_field(sidecar, "storage_dtype", "str", "the sidecar")),
+                layers=args.layer_policies())))
         self.max_abs_diff = 0.0
         self.argmax_mismatches = 0
 
@@ -454,7 +459,11 @@ def _generate_main(a: argparse.Namespace, sidecar: Dict[str, object]) -> int:
     check = None
     if a.check:
         cap = int(store.metrics()["max_capacity"])
-        check = EagerCheck(sidecar, capacity=min(cap, len(prompt_ids) + a.max_new_tokens + 1))
+        try:  # the sidecar's source and dtypes, and the checkpoint they name, are read only here
+            check = EagerCheck(sidecar, capacity=min(cap, len(prompt_ids) + a.max_new_tokens + 1))
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: --check: {e}", file=sys.stderr)
+            return 2
     gen = torch.Generator().manual_seed(a.seed)
     stream = TextStream(tok, enabled=not a.quiet)
     if not a.quiet:
