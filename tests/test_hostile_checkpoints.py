@@ -723,3 +723,30 @@ def test_run_check_names_a_damaged_sidecar_source(update: Dict[str, object], nam
     with pytest.raises(ValueError, match=named):
         run.build_eager_reference({**_side(), **update})
     assert isinstance(run.build_eager_reference(_side()), torch.nn.Module)
+
+
+@pytest.mark.parametrize("mutate, named", [
+    (lambda s: s.update({"model.extra.weight": torch_zeros(64, 64)}),
+     r"'model.extra.weight' \(model.safetensors\) is not used by the model"),
+    (lambda s: s.update({"model.embed_tokens.weight": torch_zeros(4096, 64)}),
+     r"'model.embed_tokens.weight' .model tensor 'tok_embeddings.weight'. has shape \(4096, 64\), the model expects "
+     r"\(300, 64\)"),
+], ids=["unused", "shape"])
+def test_safetensors_names_and_shapes_are_checked_from_the_header_before_any_data_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutate: Callable[[Dict[str, object]], None],
+        named: str) -> None:
+    # Before: every tensor was read into memory (a hostile file: gigabytes) and only then refused.
+    directory = _hf_dir(tmp_path / "m", mutate)
+
+    def refuse(path: Path) -> None:
+        raise AssertionError(f"tensor data of {path.name} was read")
+
+    monkeypatch.setattr(checkpoint, "_read_tensors", refuse)
+    with pytest.raises(ValueError, match=named):
+        checkpoint.load_hf(directory)
+
+
+def torch_zeros(*shape: int) -> object:
+    import torch
+
+    return torch.zeros(*shape)

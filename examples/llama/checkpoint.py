@@ -147,7 +147,8 @@ def check_args(args: ModelArgs, where: str, layers_held: Optional[int] = None) -
     if args.attention_head_dim is not None and args.attention_head_dim < 1:
         raise ValueError(f"{where}: the head dim must be >= 1, got {args.attention_head_dim}")
     # Sizes past any real checkpoint (a damaged count): named here, not as an overflow inside torch.
-    for what, rows, cols in (("the embedding", args.vocab_size, args.dim), ("a feed-forward weight", args.ffn_hidden, args.dim),
+    for what, rows, cols in (("the embedding", args.vocab_size, args.dim),
+                             ("a feed-forward weight", args.ffn_hidden, args.dim),
                              ("the query projection", args.n_heads * args.head_dim, args.dim)):
         if rows * cols > MAX_WEIGHT_ELEMENTS:
             raise ValueError(f"{where}: {what} would be {rows} x {cols}, more than the {MAX_WEIGHT_ELEMENTS} "
@@ -364,7 +365,8 @@ def _merge_meta_shards(shards: List[Dict[str, torch.Tensor]]) -> Dict[str, torch
             # torch.cat promotes mixed dtypes and raises its own error on mismatched sizes; a replicated
             # tensor (a norm) that differs would be taken from shard 0 alone: all are a damaged shard.
             if t.dtype != first.dtype:
-                raise ValueError(f"model-parallel shard {i} stores tensor {name!r} as {t.dtype}, shard 0 as {first.dtype}")
+                raise ValueError(f"model-parallel shard {i} stores tensor {name!r} as {t.dtype}, "
+                                 f"shard 0 as {first.dtype}")
             kept = [d for d in range(first.dim()) if d != dim]
             if t.dim() != first.dim() or [t.shape[d] for d in kept] != [first.shape[d] for d in kept]:
                 raise ValueError(f"model-parallel shard {i} holds tensor {name!r} of shape {tuple(t.shape)}, "
@@ -738,6 +740,36 @@ def _hf_stop_tokens(directory: Path, config: Mapping[str, object], vocab_size: i
     return ([] if eos is None else eos if isinstance(eos, list) else [eos]), bos  # type: ignore[return-value]
 
 
+def _safetensors_shapes(path: Path) -> Dict[str, Tuple[int, ...]]:
+    """Each tensor's shape from a safetensors header, without reading tensor data."""
+    try:
+        from safetensors import safe_open  # optional dependency: only these loaders need it
+
+        with safe_open(str(path), "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own types for damage
+        raise ValueError(f"{path.name} is not a readable weights file: {str(e).splitlines()[0] if str(e) else e!r}") \
+            from e
+
+
+def _check_hf_headers(config: Mapping[str, object], shapes: Mapping[Path, Mapping[str, Tuple[int, ...]]]) -> None:
+    """The name and shape checks build_model makes, from the safetensors headers alone."""
+    names = [n for per_file in shapes.values() for n in per_file]
+    args = hf_args(config, layers_held_by(names, "model.layers."))
+    check_args(args, "config.json", layers_held_by(names, "model.layers."))
+    expected = _expected_shapes(args)
+    for path, per_file in shapes.items():
+        for name, shape in per_file.items():
+            if _DERIVED.search(name):
+                continue
+            key = "tok_embeddings.weight" if name == "lm_head.weight" and args.tie_embeddings else hf_to_model_name(name)
+            if key is None or key not in expected:
+                raise ValueError(f"checkpoint tensor {name!r} ({path.name}) is not used by the model")
+            if shape != tuple(expected[key]):
+                raise ValueError(f"checkpoint tensor {name!r} (model tensor {key!r}) has shape {shape}, "
+                                 f"the model expects {tuple(expected[key])}")
+
+
 def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -> LoadedCheckpoint:
     """Load a Hugging Face Llama directory (config.json + *.safetensors or pytorch_model*.bin, sharded or not)."""
     directory = Path(directory)
@@ -745,7 +777,12 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
     config = read_json_object(config_path)
-    files = {f: _read_tensors(f) for f in _hf_files(directory)}
+    paths = _hf_files(directory)
+    if all(f.suffix == ".safetensors" for f in paths):
+        # Names and shapes from the headers first: a damaged or hostile file is refused before its
+        # data (possibly gigabytes of a tensor the model never uses) is read into memory.
+        _check_hf_headers(config, {f: _safetensors_shapes(f) for f in paths})
+    files = {f: _read_tensors(f) for f in paths}
     args = hf_args(config, layers_held_by((n for t in files.values() for n in t), "model.layers."))
 
     state: Dict[str, torch.Tensor] = {}

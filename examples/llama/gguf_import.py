@@ -291,7 +291,8 @@ def _llama3_scaling_for(args: ModelArgs, divisors: torch.Tensor, f: GGUFFile) ->
         "factor": factor,
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
-        "original_max_position_embeddings": float(f.arch("rope.scaling.original_context_length", "int", 8192)),  # type: ignore[arg-type]
+        "original_max_position_embeddings":
+            float(f.arch("rope.scaling.original_context_length", "int", 8192)),  # type: ignore[arg-type]
     }
     plain = _rope_inverse_frequencies(ModelArgs(**{**args.to_dict(), "rope_scaling": None}))
     expected = _rope_inverse_frequencies(ModelArgs(**{**args.to_dict(), "rope_scaling": scaling}))

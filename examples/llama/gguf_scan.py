@@ -87,9 +87,8 @@ class _Walker:
         at = self.offs
         n = self.uint(8, f"the length of {what}")
         if n > min(limit, self.left()):
-            raise self.fail(f"{what} states a length of {n} bytes, "
-                            f"{'more than the ' + str(limit) + ' allowed' if n > limit else 'past the end of the file'}",
-                            at)
+            beyond = f"more than the {limit} allowed" if n > limit else "past the end of the file"
+            raise self.fail(f"{what} states a length of {n} bytes, {beyond}", at)
         return self.take(n, what)
 
     def text(self, what: str, limit: int) -> str:
