@@ -750,3 +750,13 @@ def torch_zeros(*shape: int) -> object:
     import torch
 
     return torch.zeros(*shape)
+
+
+def test_a_gguf_vocabulary_listing_one_token_twice_is_named(tmp_path: Path) -> None:
+    # A flipped byte can turn one token into another's spelling: text -> id then silently loses an id.
+    path = tmp_path / "tok.gguf"
+    w = _writer_without(path, "tokenizer.ggml.tokens", tokenizer=True)
+    w.add_token_list(_TOKENS[:-2] + ["a", "<|end|>"])
+    _finish(w)
+    with pytest.raises(ValueError, match=r"'tokenizer.ggml.tokens' lists 'a' twice \(ids 64 and 94\)"):
+        gguf_import.load_gguf(path)

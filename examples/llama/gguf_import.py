@@ -415,7 +415,17 @@ def check_tokenizer_metadata(f: GGUFFile, vocab_size: Optional[int] = None) -> O
     where = f.path.name
     n_tokens: Optional[int] = None
     if f.has("tokenizer.ggml.tokens"):
-        n_tokens = len(f.get("tokenizer.ggml.tokens", "strs"))  # type: ignore[arg-type]
+        tokens: List[str] = f.get("tokenizer.ggml.tokens", "strs")  # type: ignore[assignment]
+        n_tokens = len(tokens)
+        if len(set(tokens)) != n_tokens:
+            # Text -> id would keep one of the two ids (llama.cpp asserts the vocabulary is unique); a damaged
+            # token that became another one's spelling shows here.
+            seen: Dict[str, int] = {}
+            for i, token in enumerate(tokens):
+                if token in seen:
+                    raise ValueError(f"{where}: metadata 'tokenizer.ggml.tokens' lists {token!r} twice "
+                                     f"(ids {seen[token]} and {i})")
+                seen[token] = i
         if n_tokens == 0:
             raise ValueError(f"{where}: metadata 'tokenizer.ggml.tokens' lists no tokens")
         if vocab_size is not None and n_tokens > vocab_size:
