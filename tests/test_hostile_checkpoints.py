@@ -161,7 +161,8 @@ def _kv(key: str, vtype: int, payload: bytes) -> bytes:
      "nests arrays more than 2 deep"),
     (_raw_gguf(_kv("a", 9, struct.pack("<IQ", 0, gguf_scan.MAX_READER_ENTRIES + 1)
                    + b"\0" * (gguf_scan.MAX_READER_ENTRIES + 1)), 1),
-     "brings the metadata's array entries to 4194305, more than the 4194304"),
+     f"brings the metadata's array entries to {gguf_scan.MAX_READER_ENTRIES + 1}, more than the "
+     f"{gguf_scan.MAX_READER_ENTRIES}"),
     (_raw_gguf(b"", 2**40), "states 1099511627776 metadata entries"),
     (_raw_gguf(b"", 0, n_tensors=2**40), "states 1099511627776 tensors"),
     (_raw_gguf(_kv("general.alignment", 4, struct.pack("<I", 48)), 1), "'general.alignment' is 48, not a power of two"),
