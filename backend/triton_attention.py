@@ -47,7 +47,8 @@ mostly), launch 1 normalises and writes the output itself and this launch
 has a grid of zero programs.
 
 Splits: ``max(1, 2 * SMs // (H_kv * row_blocks))``, so one batch-1 decode step
-launches about two programs per multiprocessor; a split's share of the keys is
+launches about two programs per multiprocessor (ring layers' narrow steps: three, with
+32-key blocks, see ``RING_PROGRAMS_PER_SM``); a split's share of the keys is
 computed in the kernel from the length it reads, rounded to whole key blocks,
 and splits past the end exit at once. Wide steps (prefill chunks) get their
 parallelism from row blocks instead and fall to one split.
@@ -79,6 +80,14 @@ WIDE_ROWS = 64  # steps with more folded query rows than this take the wide vari
 WIDE_BLOCK_M = 64  # the H200 sweep's best for 512-token chunks (cuda_kernels_h200.md)
 WIDE_BLOCK_N = 64
 WIDE_NUM_WARPS = 4
+WRITE_ROWS = 16  # tokens per tile of the step's K/V write (decode writes one: a 64-row tile was mostly masked work)
+# Narrow steps of ring layers: a band of at most ``window`` keys, short enough that a
+# program's fixed instructions set its time, gains from more, shorter programs (the H200
+# ring sweep's best, 4,096 keys: 10.5 -> 9.4 us); flat decode at 32K-128K loses with
+# them (38 -> 43 us, 125 -> 150 us), so flat layers keep the settings above.
+RING_PROGRAMS_PER_SM = 3
+RING_BLOCK_N = 32
+RING_NUM_STAGES = 2
 _DEFAULT_SMS = 132  # an H200's count, for tracing off the GPU (the interpreter tests)
 
 # At export, "torch" keeps CUDA 16-bit programs on torch's attention ops (the
@@ -149,6 +158,7 @@ if HAVE_TRITON:
         T, slots, window, n_splits, scale_log2,
         G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
         RING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+        WRITE_ROWS: tl.constexpr,
     ):
         split = tl.program_id(0)
         h = tl.program_id(1)
@@ -162,41 +172,56 @@ if HAVE_TRITON:
         d_ok = d < D
         dv_ok = dv < DV
         nb = tl.arange(0, BLOCK_N)
+        # Positions are taken relative to the length (int32: a step's band and a split's
+        # range are far below 2**31), and row addresses as one 64-bit base per block plus
+        # 32-bit offsets in it: 64-bit products and divisions per element were most of
+        # the instructions of a decode step, whose programs are short enough for their
+        # instruction latency to set the time. A ring's slot arithmetic starts from
+        # ``length mod slots``, the one 64-bit division.
+        k_head = KS + h * sks_h
+        v_head = VS + h * svs_h
+        if RING:
+            len_slot = (length % slots).to(tl.int32)
+        else:
+            len_slot = 0
 
         # The step's write: split 0 of each row block writes the tokens whose first
-        # folded row it holds (every token once, spread over the row blocks).
+        # folded row it holds (every token once, spread over the row blocks), in tiles
+        # of WRITE_ROWS tokens (a decode step writes one).
         if split == 0:
+            nw = tl.arange(0, WRITE_ROWS)
             j_end = tl.minimum((mb * BLOCK_M + BLOCK_M + G - 1) // G, T)
-            for j0 in range((mb * BLOCK_M + G - 1) // G, j_end, BLOCK_N):
-                j = j0 + nb
+            for j0 in range((mb * BLOCK_M + G - 1) // G, j_end, WRITE_ROWS):
+                j = j0 + nw
                 j_ok = j < j_end
-                pos = length + j
                 if RING:
-                    dest = pos % slots
+                    dest = len_slot + j  # < 2 * slots: j < T <= slots
+                    dest = tl.where(dest >= slots, dest - slots, dest)
+                    k_dst = k_head + dest[:, None] * sks_r
+                    v_dst = v_head + dest[:, None] * svs_r
                 else:
-                    dest = pos
+                    k_dst = k_head + length * sks_r + j[:, None] * sks_r
+                    v_dst = v_head + length * svs_r + j[:, None] * svs_r
                 kk = tl.load(KN + h * skn_h + j[:, None] * skn_t + d[None, :] * skn_d,
                              mask=j_ok[:, None] & d_ok[None, :])
-                tl.store(KS + dest[:, None] * sks_r + h * sks_h + d[None, :], kk, mask=j_ok[:, None] & d_ok[None, :])
+                tl.store(k_dst + d[None, :], kk, mask=j_ok[:, None] & d_ok[None, :])
                 vv = tl.load(VN + h * svn_h + j[:, None] * svn_t + dv[None, :] * svn_d,
                              mask=j_ok[:, None] & dv_ok[None, :])
-                tl.store(VS + dest[:, None] * svs_r + h * svs_h + dv[None, :], vv,
-                         mask=j_ok[:, None] & dv_ok[None, :])
+                tl.store(v_dst + dv[None, :], vv, mask=j_ok[:, None] & dv_ok[None, :])
 
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_rows
         tok = rows // G
         qh = h * G + rows % G
-        qpos = length + tok  # each query row's position
+        qrel = tok  # each query row's position, less the length
 
-        # Keys this row block can see: up to its last token's position; a ring's band from its first token's.
+        # Keys this row block can see (relative): up to its last token; a ring's band from its first token's.
         first_tok = (mb * BLOCK_M) // G
         last_tok = (tl.minimum(mb * BLOCK_M + BLOCK_M, n_rows) - 1) // G
-        hi = length + last_tok + 1
+        hi = last_tok + 1
+        lo = -(tl.minimum(length, 2**31 - 1 - T).to(tl.int32))  # position 0
         if RING:
-            lo = tl.maximum(length + first_tok - window + 1, 0)
-        else:
-            lo = length * 0
+            lo = tl.maximum(first_tok - window + 1, lo)
         per_split = tl.cdiv(tl.cdiv(hi - lo, n_splits), BLOCK_N) * BLOCK_N
         start = lo + split * per_split
         end = tl.minimum(start + per_split, hi)
@@ -209,33 +234,36 @@ if HAVE_TRITON:
         # Keys before the length come from storage: every query sees them (flat),
         # or those in its band (ring). A ring's slots follow the position, and a
         # split's range spans at most ``slots`` positions, so a block wraps at most
-        # once: one modulo per block, not one 64-bit division per key.
-        stored_end = tl.minimum(end, length)
+        # once: its first slot by one conditional add or subtract, no division.
+        stored_end = tl.minimum(end, 0)
         for k0 in range(start, stored_end, BLOCK_N):
             kp = k0 + nb
             k_ok = kp < stored_end
             if RING:
-                srow = (k0 % slots) + nb
-                srow = tl.where(srow >= slots, srow - slots, srow)
+                s0 = len_slot + k0  # in (-slots, slots): -window < k0 < 0
+                s0 = tl.where(s0 < 0, s0 + slots, s0)
+                off = s0 + nb
+                off = tl.where(off >= slots, off - slots, off) - s0  # rows from the block's first slot
+                k_blk = k_head + s0.to(tl.int64) * sks_r
+                v_blk = v_head + s0.to(tl.int64) * svs_r
             else:
-                srow = kp
-            k = tl.load(KS + srow[:, None] * sks_r + h * sks_h + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            v = tl.load(VS + srow[:, None] * svs_r + h * svs_h + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :],
-                        other=0.0)
-            m_i, l_i, acc = _attend_block(q, k, v, kp, k_ok, qpos, m_i, l_i, acc, scale_log2, window,
+                off = nb
+                k_blk = k_head + (length + k0) * sks_r
+                v_blk = v_head + (length + k0) * svs_r
+            k = tl.load(k_blk + off[:, None] * sks_r + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_blk + off[:, None] * svs_r + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, v, kp, k_ok, qrel, m_i, l_i, acc, scale_log2, window,
                                           RING=RING, CAUSAL=False, DOT_F32=DOT_F32)
         # The step's own keys come straight from its inputs (no program waits for
         # another's write), lower-right causal.
-        for k0 in range(tl.maximum(start, length), end, BLOCK_N):
+        for k0 in range(tl.maximum(start, 0), end, BLOCK_N):
             kp = k0 + nb
             k_ok = kp < end
-            new = kp - length
-            k = tl.load(KN + h * skn_h + new[:, None] * skn_t + d[None, :] * skn_d,
+            k = tl.load(KN + h * skn_h + kp[:, None] * skn_t + d[None, :] * skn_d,
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(VN + h * svn_h + new[:, None] * svn_t + dv[None, :] * svn_d,
+            v = tl.load(VN + h * svn_h + kp[:, None] * svn_t + dv[None, :] * svn_d,
                         mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
-            m_i, l_i, acc = _attend_block(q, k, v, kp, k_ok, qpos, m_i, l_i, acc, scale_log2, window,
+            m_i, l_i, acc = _attend_block(q, k, v, kp, k_ok, qrel, m_i, l_i, acc, scale_log2, window,
                                           RING=RING, CAUSAL=True, DOT_F32=DOT_F32)
 
         if n_splits == 1:
@@ -304,10 +332,12 @@ if HAVE_TRITON:
         # once per 64 rows and the dot products are large enough for the
         # tensor cores' warp-group instructions.
         wide = torch.sym_min(1, (n_rows - 1) // WIDE_ROWS)
+        ring = window > 0
         programs = PROGRAMS_PER_SM * _multiprocessors(q.device)
+        narrow_programs = (RING_PROGRAMS_PER_SM if ring else PROGRAMS_PER_SM) * _multiprocessors(q.device)
         narrow_blocks = (n_rows + BLOCK_M - 1) // BLOCK_M
         wide_blocks = (n_rows + WIDE_BLOCK_M - 1) // WIDE_BLOCK_M
-        narrow_splits = (1 - wide) * torch.sym_max(1, programs // (hkv * narrow_blocks))
+        narrow_splits = (1 - wide) * torch.sym_max(1, narrow_programs // (hkv * narrow_blocks))
         wide_splits = wide * torch.sym_max(1, programs // (hkv * wide_blocks))
         splits = narrow_splits + wide_splits
         acc = torch.empty((splits, hkv, n_rows, dv), device=q.device, dtype=torch.float32)
@@ -319,17 +349,20 @@ if HAVE_TRITON:
                 v.stride(1), v.stride(2), v.stride(3),
                 k_store.stride(1), k_store.stride(2), v_store.stride(1), v_store.stride(2),
                 t, k_store.shape[1], window, splits, scale * 1.4426950408889634)
-        shape = dict(G=g, D=d, DV=dv, BD=_next_pow2(d), BDV=_next_pow2(dv), RING=window > 0,
-                     DOT_F32=_interpreted_bf16(k_store.dtype), num_stages=NUM_STAGES)
+        shape = dict(G=g, D=d, DV=dv, BD=_next_pow2(d), BDV=_next_pow2(dv), RING=ring,
+                     DOT_F32=_interpreted_bf16(k_store.dtype), WRITE_ROWS=WRITE_ROWS)
         # The zero-able extent is the grid's first: launchers skip a launch when it is 0.
         wrap_triton(_update_attend_partial)[(narrow_splits, hkv, narrow_blocks)](
-            *args, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, **shape)
+            *args, BLOCK_M=BLOCK_M, BLOCK_N=RING_BLOCK_N if ring else BLOCK_N, num_warps=NUM_WARPS,
+            num_stages=RING_NUM_STAGES if ring else NUM_STAGES, **shape)
         wrap_triton(_update_attend_partial)[(wide_splits, hkv, wide_blocks)](
-            *args, BLOCK_M=WIDE_BLOCK_M, BLOCK_N=WIDE_BLOCK_N, num_warps=WIDE_NUM_WARPS, **shape)
+            *args, BLOCK_M=WIDE_BLOCK_M, BLOCK_N=WIDE_BLOCK_N, num_warps=WIDE_NUM_WARPS, num_stages=NUM_STAGES,
+            **shape)
         # Partials to merge only where the keys were split.
         wrap_triton(_combine)[(n_rows * torch.sym_min(1, splits - 1), hkv)](
             acc, mx, sm, out, out.stride(1), out.stride(2), t, splits,
-            G=g, DV=dv, BDV=_next_pow2(dv), BLOCK_S=_next_pow2(max(1, programs // hkv)), num_warps=4,
+            G=g, DV=dv, BDV=_next_pow2(dv), BLOCK_S=_next_pow2(max(1, max(programs, narrow_programs) // hkv)),
+            num_warps=4,
         )
         return out.transpose(1, 2)
 

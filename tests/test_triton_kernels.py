@@ -116,7 +116,17 @@ def test_one_split_writes_the_output_itself_without_the_combine(t, window, monke
     from offgraph_kv.backend import triton_attention as ta
 
     monkeypatch.setattr(ta, "PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(ta, "RING_PROGRAMS_PER_SM", 0)
     length = 150
     rows = window + 70 - 1 if window else length + t
     q, k, v, ks, vs = _step(8, 2, 64, t, rows, torch.bfloat16, seed=t + window)
     _check(q, k, v, ks, vs, length, window)
+
+
+@pytest.mark.parametrize("window,length,rows", [(0, 700, 703), (300, 1000, 310)], ids=["flat", "ring-wrapped"])
+def test_gqa8_decode_over_many_splits_matches_reference_twice_in_a_row(window, length, rows):
+    # GQA 8 (16 query heads on 2 KV heads): each KV head's keys spread over many
+    # splits, relative positions across a ring's wrap; twice, at two lengths.
+    for seed in (1, 2):
+        q, k, v, ks, vs = _step(16, 2, 128, 1, rows, torch.bfloat16, seed=seed)
+        _check(q, k, v, ks, vs, length + seed, window)
