@@ -89,6 +89,17 @@ inline void widen_row(const T* __restrict src, float* __restrict dst, int64_t n)
   for (int64_t i = x; i < n; ++i) dst[i] = widen(src[i]);
 }
 
+// One head's row as fp32: fp32 rows are read in place, 16-bit ones widened into scratch.
+template <typename T>
+inline const float* row_as_float(const T* src, float* scratch, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    widen_row(src, scratch, n);
+    return scratch;
+  }
+}
+
 // Where one operand's rows lie: element (row s, head h, x) at base[s*row + h*head + x].
 template <typename T>
 struct Rows {
@@ -118,12 +129,12 @@ void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, i
     const int64_t n = std::min(kBlock, end - s0);
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t h = 0; h < heads; ++h) {
-        widen_row(k.base + (s0 + j) * k.row + h * k.head, kf, kd);
+        const float* __restrict kr = row_as_float(k.base + (s0 + j) * k.row + h * k.head, kf, kd);
         for (int64_t g = 0; g < r; ++g) {
           const float* __restrict qq = q + h * q_head + g * q_row;
           float d = 0.f;
 #pragma omp simd reduction(+ : d)
-          for (int64_t x = 0; x < kd; ++x) d += qq[x] * kf[x];
+          for (int64_t x = 0; x < kd; ++x) d += qq[x] * kr[x];
           logits[(h * r + g) * kBlock + j] = d * scale;
         }
       }
@@ -148,12 +159,12 @@ void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, i
     }
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t h = 0; h < heads; ++h) {
-        widen_row(v.base + (s0 + j) * v.row + h * v.head, vf, vd);
+        const float* __restrict vr = row_as_float(v.base + (s0 + j) * v.row + h * v.head, vf, vd);
         for (int64_t g = 0; g < r; ++g) {
           const float p = logits[(h * r + g) * kBlock + j];
           float* __restrict a = part.acc.data() + (h * r + g) * vd;
 #pragma omp simd
-          for (int64_t x = 0; x < vd; ++x) a[x] += p * vf[x];
+          for (int64_t x = 0; x < vd; ++x) a[x] += p * vr[x];
         }
       }
     }
