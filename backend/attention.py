@@ -17,7 +17,9 @@ other program's path.)
   triangle, T x T at most) are attended directly and merged by log-sum-exp.
   On CPU a decode step's part goes to our own kernel over the stored rows,
   any storage dtype read as stored (``cpu_kernels.py``: each row read once for
-  every head, 0.75x ATen's time in fp32, 0.39x the reductions' in bf16); a
+  every head; a bf16-KV SmolLM2 step at 8,000 rows takes 0.73x the reductions'
+  time, no measurable change at 200-2,000 rows,
+  benchmarks/results/cpu_attention_bandwidth.md); a
   wider step keeps ATen's fused fp32 kernel, 16-bit rows converted first, only
   those it sees. (``OFFGRAPH_KV_CPU_ATTENTION`` keeps the earlier lowerings:
   fp32 decode through the fused kernel, 16-bit decode through reductions that
