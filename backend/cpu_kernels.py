@@ -34,10 +34,10 @@ def rows_attend_with_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     """What the kernel computes: queries ``[1, H_kv, R, D]`` (fp32) over all
     ``S`` rows of ``k``, ``v`` ``[1, H_kv, S, D]``, unmasked, in fp32; the fp32
     output ``[1, H_kv, R, Dv]`` and each query row's log-sum-exp, contiguous."""
-    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    lse = torch.logsumexp(logits, dim=-1)
-    weights = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.matmul(weights, v.float()).contiguous(), lse.contiguous()
+    from offgraph_kv.backend.attention import _explicit_attention  # attention.py imports this module
+
+    out, lse = _explicit_attention(q.float(), k, v, scale)
+    return out.contiguous(), lse.contiguous()
 
 
 _LIB.impl("rows_attend_with_lse", rows_attend_with_lse_reference, "CompositeExplicitAutograd")

@@ -38,6 +38,19 @@ import torch
 MIB = 2**20
 
 
+def decode_case(ctx: int, hq: int, hkv: int, d: int) -> "tuple":
+    """One bf16 decode step's operands over ``ctx`` stored rows (the store has
+    room for the step's own row): q, k, v, k_store, v_store, length, KV bytes read."""
+    bf = torch.bfloat16
+    ks = torch.randn(1, ctx + 1, hkv, d, device="cuda", dtype=bf)
+    vs = torch.randn_like(ks)
+    q = torch.randn(1, hq, 1, d, device="cuda", dtype=bf)
+    k = torch.randn(1, hkv, 1, d, device="cuda", dtype=bf)
+    v = torch.randn_like(k)
+    length = torch.tensor([ctx], device="cuda")
+    return q, k, v, ks, vs, length, 2 * (ctx + 1) * hkv * d * 2
+
+
 def graph_time(fn: Callable[[], object], reps: int = 20) -> float:
     """Seconds per call of ``fn`` as the GPU runs it: ``reps`` calls captured in one
     CUDA graph, the replay timed with events (no launch overhead in the number)."""
@@ -73,13 +86,7 @@ def kernel_rows(memcpy_Bps: float, contexts: List[int]) -> Dict[str, object]:
     scale = d ** -0.5
     out: Dict[str, object] = {"decode": [], "ring": [], "prefill": []}
     for ctx in contexts:
-        ks = torch.randn(1, ctx + 1, hkv, d, device=dev, dtype=bf)
-        vs = torch.randn_like(ks)
-        q = torch.randn(1, hq, 1, d, device=dev, dtype=bf)
-        k = torch.randn(1, hkv, 1, d, device=dev, dtype=bf)
-        v = torch.randn_like(k)
-        length = torch.tensor([ctx], device=dev)
-        kv_bytes = 2 * (ctx + 1) * hkv * d * 2
+        q, k, v, ks, vs, length, kv_bytes = decode_case(ctx, hq, hkv, d)
         ours = graph_time(lambda: update_attend(q, k, v, ks, vs, length, 0, scale, bf))
         keys, values = ks.transpose(1, 2), vs.transpose(1, 2)
         row = {"context": ctx, "kv_bytes": kv_bytes, "ours_ms": ours * 1e3, "ours_share": kv_bytes / ours / memcpy_Bps}
@@ -143,13 +150,7 @@ def tuning_sweep(memcpy_Bps: float, contexts: List[int]) -> List[Dict[str, objec
     rows = []
     try:
         for ctx in contexts:
-            ks = torch.randn(1, ctx + 1, hkv, d, device="cuda", dtype=bf)
-            vs = torch.randn_like(ks)
-            q = torch.randn(1, hq, 1, d, device="cuda", dtype=bf)
-            k = torch.randn(1, hkv, 1, d, device="cuda", dtype=bf)
-            v = torch.randn_like(k)
-            length = torch.tensor([ctx], device="cuda")
-            kv_bytes = 2 * (ctx + 1) * hkv * d * 2
+            q, k, v, ks, vs, length, kv_bytes = decode_case(ctx, hq, hkv, d)
             for bn in (64, 128):
                 for warps in (4, 8):
                     for pps in (2, 4):

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.cuda.kernels import graph_time
+from benchmarks.cuda.kernels import decode_case, graph_time
 
 HQ, HKV, D, WINDOW, MAX_WRITE = 32, 8, 128, 4096, 512
 COLD_COPIES = 6
@@ -189,13 +189,7 @@ def flat_decode() -> List[Dict[str, object]]:
     bf = torch.bfloat16
     out = []
     for ctx in (1024, 4096, 8192, 32768, 131072):
-        ks = torch.randn(1, ctx + 1, HKV, D, device="cuda", dtype=bf)
-        vs = torch.randn_like(ks)
-        q = torch.randn(1, HQ, 1, D, device="cuda", dtype=bf)
-        k = torch.randn(1, HKV, 1, D, device="cuda", dtype=bf)
-        v = torch.randn_like(k)
-        length = torch.tensor([ctx], device="cuda")
-        kv_bytes = 2 * (ctx + 1) * HKV * D * 2
+        q, k, v, ks, vs, length, kv_bytes = decode_case(ctx, HQ, HKV, D)
         t = graph_time(lambda: ta.update_attend(q, k, v, ks, vs, length, 0, D ** -0.5, bf))
         out.append({"context": ctx, "us": t * 1e6, "share": kv_bytes / t / memcpy_Bps})
         print(f"flat {json.dumps(out[-1])}", flush=True)
