@@ -1,12 +1,15 @@
-"""Kernels of our own in CPU programs: the decode attention over the store's rows.
+"""Kernels of our own in CPU programs: the decode attention over the store's
+rows, and the decode linears over the stored weights.
 
-``offgraph_kv::rows_attend_with_lse`` stays whole through export. AOTInductor
-then calls it as a C function (``aot_inductor.custom_ops_to_c_shims``), whose
-code (``native/decode_attention.cpp``) is compiled here with the ISA flags of
-inductor's own kernels and linked into the program's shared object, so the
-.pte carries it: the runtime loads that object ``RTLD_LOCAL`` with nothing else
-to resolve it from. Eager runs of the op (references, an exported program run
-in Python) take the same arithmetic written in torch.
+The ops (``offgraph_kv::rows_attend_with_lse``, ``linear_rows``,
+``int8_linear_rows``, ``int4_linear_rows``, ``int4z_linear_rows``) stay whole
+through export. AOTInductor then calls each as a C function
+(``aot_inductor.custom_ops_to_c_shims``), whose code (``native/*.cpp``) is
+compiled here with the ISA flags of inductor's own kernels and linked into the
+program's shared object, so the .pte carries it: the runtime loads that object
+``RTLD_LOCAL`` with nothing else to resolve it from. Eager runs of the ops
+(references, an exported program run in Python) take the same arithmetic
+written in torch.
 """
 
 from __future__ import annotations
@@ -20,13 +23,28 @@ from typing import Dict, List
 
 import torch
 
-SOURCE = Path(__file__).parent / "native" / "decode_attention.cpp"
-# The C declaration AOTInductor's generated code calls (outputs returned as new handles).
-C_SHIM = ("AOTITorchError aoti_torch_cpu_rows_attend_with_lse(AtenTensorHandle q, AtenTensorHandle k, "
-          "AtenTensorHandle v, double scale, AtenTensorHandle* ret0, AtenTensorHandle* ret1)")
+SOURCES = tuple(Path(__file__).parent / "native" / n for n in ("decode_attention.cpp", "decode_linear.cpp"))
 
 _LIB = torch.library.Library("offgraph_kv", "FRAGMENT")
 _LIB.define("rows_attend_with_lse(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
+# The decode linears: x [R, K] (fp32, bf16 or fp16) -> [R, N] of x's dtype, fp32 accumulation.
+_LIB.define("linear_rows(Tensor x, Tensor w) -> Tensor")
+_LIB.define("int8_linear_rows(Tensor x, Tensor qdata, Tensor scale) -> Tensor")
+_LIB.define("int4_linear_rows(Tensor x, Tensor packed, Tensor scale) -> Tensor")
+_LIB.define("int4z_linear_rows(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor")
+
+# The C declaration of each op that AOTInductor's generated code calls (outputs returned as new handles).
+_H = "AtenTensorHandle"
+C_SHIMS = {
+    "rows_attend_with_lse": f"AOTITorchError aoti_torch_cpu_rows_attend_with_lse({_H} q, {_H} k, {_H} v, "
+                            f"double scale, {_H}* ret0, {_H}* ret1)",
+    "linear_rows": f"AOTITorchError aoti_torch_cpu_linear_rows({_H} x, {_H} w, {_H}* ret0)",
+    "int8_linear_rows": f"AOTITorchError aoti_torch_cpu_int8_linear_rows({_H} x, {_H} q, {_H} scale, {_H}* ret0)",
+    "int4_linear_rows": f"AOTITorchError aoti_torch_cpu_int4_linear_rows({_H} x, {_H} packed, {_H} scale, "
+                        f"{_H}* ret0)",
+    "int4z_linear_rows": f"AOTITorchError aoti_torch_cpu_int4z_linear_rows({_H} x, {_H} packed, {_H} scale, "
+                         f"{_H} zero, {_H}* ret0)",
+}
 
 
 def rows_attend_with_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -50,9 +68,50 @@ def _rows_attend_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             q.new_empty((b, h, r), dtype=torch.float32))
 
 
+# Eager forms of the linears: the references the kernels are checked against (imported when
+# first run: quantized_linear and decode_gemv import this module).
+def _linear_rows_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
+
+
+def _int8_rows_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from offgraph_kv.backend.quantized_linear import int8_one_row
+
+    return int8_one_row(x, qdata, scale)
+
+
+def _int4_rows_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from offgraph_kv.backend.quantized_linear import int4_one_row
+
+    return int4_one_row(x, packed, scale, None)
+
+
+def _int4z_rows_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          zero: torch.Tensor) -> torch.Tensor:
+    from offgraph_kv.backend.quantized_linear import int4_one_row
+
+    return int4_one_row(x, packed, scale, zero)
+
+
+for _name, _ref in (("linear_rows", _linear_rows_reference), ("int8_linear_rows", _int8_rows_reference),
+                    ("int4_linear_rows", _int4_rows_reference), ("int4z_linear_rows", _int4z_rows_reference)):
+    _LIB.impl(_name, _ref, "CompositeExplicitAutograd")
+
+
+def _rows_out(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
+torch.library.register_fake("offgraph_kv::linear_rows")(lambda x, w: _rows_out(x, w.shape[0]))
+torch.library.register_fake("offgraph_kv::int8_linear_rows")(lambda x, q, s: _rows_out(x, q.shape[0]))
+torch.library.register_fake("offgraph_kv::int4_linear_rows")(lambda x, p, s: _rows_out(x, p.shape[0]))
+torch.library.register_fake("offgraph_kv::int4z_linear_rows")(lambda x, p, s, z: _rows_out(x, p.shape[0]))
+
+
 def shim_options() -> Dict[str, object]:
     """AOTInductor options that make the generated code call our kernels by name."""
-    return {"aot_inductor.custom_ops_to_c_shims": {torch.ops.offgraph_kv.rows_attend_with_lse.default: [C_SHIM]}}
+    ops = torch.ops.offgraph_kv
+    return {"aot_inductor.custom_ops_to_c_shims": {getattr(ops, n).default: [c] for n, c in C_SHIMS.items()}}
 
 
 def _compile_flags() -> List[str]:
@@ -65,21 +124,29 @@ def _compile_flags() -> List[str]:
     return ["-O3", "-fPIC", "-std=c++17", "-fopenmp", "-fno-gnu-unique", "-DNDEBUG", *isa, "-I", include]
 
 
+def _run(command: List[str], what: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-4000:]}")
+
+
 def build_object(cache_dir: str, compiler: str = "g++") -> str:
-    """The kernels' object file, compiled once per source, flags and compiler."""
+    """The kernels' one object file (each source compiled, then linked into one
+    relocatable object), built once per sources, flags and compiler."""
     flags = _compile_flags()
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + "\0".join([compiler, *flags]).encode()).hexdigest()[:24]
+    digest = hashlib.sha256("\0".join([compiler, *flags]).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     directory = os.path.join(cache_dir, "offgraph_kv_native")
     os.makedirs(directory, exist_ok=True)
-    obj = os.path.join(directory, f"decode_attention_{key}.o")
+    obj = os.path.join(directory, f"kernels_{digest.hexdigest()[:24]}.o")
     if os.path.exists(obj):
         return obj
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".o")
-    os.close(fd)
-    done = subprocess.run([compiler, "-c", str(SOURCE), "-o", tmp, *flags], capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-4000:]}")
-    os.replace(tmp, obj)  # a concurrent build never links a half-written object
+    with tempfile.TemporaryDirectory(dir=directory) as work:
+        parts = [os.path.join(work, f"{s.stem}.o") for s in SOURCES]
+        for source, part in zip(SOURCES, parts):
+            _run([compiler, "-c", str(source), "-o", part, *flags], f"compiling {source.name}")
+        joined = os.path.join(work, "kernels.o")
+        _run([compiler, "-r", "-nostdlib", "-o", joined, *parts], "linking the kernels' objects")
+        os.replace(joined, obj)  # a concurrent build never links a half-written object
     return obj

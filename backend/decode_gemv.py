@@ -7,9 +7,11 @@ a half of what one core reads here; inductor's own reduction kernel over the
 same weight reads it about twice as fast for one row, but is 3-13x slower for
 64 (``benchmarks/results/cpu_gemv.md``). One program serves both widths, so
 each linear becomes a branch on the step width (``torch.cond``, compiled into
-the code): one row -> ``sum(x * w)`` over the input features in fp32, wider ->
-ATen's ``mm`` as before. Nothing is packed or copied: the weight stays the
-constant the ``.pte`` stores.
+the code): one row -> our kernel (``native/decode_linear.cpp``: four outputs
+per pass over the activations, fp32 accumulation) or, with
+``OFFGRAPH_KV_CPU_GEMV=reduce``, inductor's ``sum(x * w)``; wider -> ATen's
+``mm`` as before. Nothing is packed or copied: the weight stays the constant
+the ``.pte`` stores.
 
 A linear here is ``linear(x, W[, b])`` (the partitioner keeps ``nn.Linear``
 whole), ``mm(x, permute(W, [1, 0]))`` or ``addmm(b, x, permute(W, [1, 0]))``,
@@ -28,19 +30,29 @@ import math
 import torch
 from torch import fx
 
+import offgraph_kv.backend.cpu_kernels  # noqa: F401  (registers offgraph_kv::linear_rows)
 from offgraph_kv.backend.switches import switch
 from offgraph_kv.backend.width_branch import by_width
 
 ENV_SWITCH = "OFFGRAPH_KV_CPU_GEMV"
+MODES = ("kernel", "reduce", "mm")
+
+
+def one_row_mode() -> str:
+    """How CPU exports run one-row linears (``OFFGRAPH_KV_CPU_GEMV``): "kernel" (the default: our
+    kernel), "reduce" (inductor's reduction) or "mm" (ATen's GEMM, no branch on the width)."""
+    return switch(ENV_SWITCH, MODES, MODES[0])
 
 
 def reduction_applies() -> bool:
-    """Whether CPU exports rewrite their linears (``OFFGRAPH_KV_CPU_GEMV``: "reduce", the default, or "mm")."""
-    return switch(ENV_SWITCH, ("reduce", "mm"), "reduce") == "reduce"
+    """Whether CPU exports branch their linears on the step width (every mode but "mm")."""
+    return one_row_mode() != "mm"
 
 
 def _one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # [1, K] x [N, K] -> [1, N]; the products and the sum in fp32 (as a GEMM accumulates).
+    if one_row_mode() == "kernel" and w.is_contiguous():  # the kernel reads dense weight rows
+        return torch.ops.offgraph_kv.linear_rows(x, w)
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
 
 

@@ -15,8 +15,10 @@ Two ops, for models to call (``examples/llama/quantize.py`` does):
 The backend (``lower_quantized_linears``) replaces every call before
 AOTInductor compiles: on CPU, unless ``OFFGRAPH_KV_CPU_GEMV=mm``, with a branch
 on the step's rows (``torch.cond``, as ``decode_gemv`` does for float
-linears): one row -> one fused inductor reduction over the stored integers
-(the weight bytes read once, dequantised in registers, fp32 accumulation),
+linears): one row -> our kernel over the stored integers
+(``native/decode_linear.cpp``; with ``OFFGRAPH_KV_CPU_GEMV=reduce``, one fused
+inductor reduction; either way the weight bytes read once, dequantised in
+registers, fp32 accumulation),
 wider -> what a GEMM needs (int8 in bf16: ATen's int8 GEMM; int8 in fp32:
 the weight dequantised, then ``mm``, torchao's own form; int4: each nibble
 half dequantised, then two ``mm``). Elsewhere the wider form serves every
@@ -39,6 +41,7 @@ from typing import Callable, Optional
 import torch
 from torch import fx
 
+import offgraph_kv.backend.cpu_kernels  # noqa: F401  (registers the offgraph_kv::*_linear_rows kernels)
 from offgraph_kv.backend.width_branch import by_width
 
 # --------------------------------------------------------------------------- #
@@ -74,8 +77,10 @@ def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` in fp32 as a buffer of its own. Converted inside the reduction instead, a bf16 ``x`` makes
     inductor tile the loop by 32 (bf16's vector) with half-vector int8 loads: SmolLM2's 49152 x 576
     int8 row took 2.57 ms, against 0.85 ms with fp32 rows (``as_strided`` has inductor realise it)."""
-    xf = x.float()
-    return xf if x.dtype == torch.float32 else torch.as_strided(xf, xf.shape, (xf.shape[-1], 1))
+    if x.dtype == torch.float32:
+        return x
+    xf = x.float().contiguous()  # a strided x keeps its strides through .float(): as_strided needs rows
+    return torch.as_strided(xf, xf.shape, (xf.shape[-1], 1))
 
 
 def int8_one_row(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -168,6 +173,17 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional
 # --------------------------------------------------------------------------- #
 
 
+def _kernel_or(reduction: Callable[..., torch.Tensor], kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The one-row form the export's mode asks for (``decode_gemv.one_row_mode``, read when traced)."""
+    from offgraph_kv.backend.decode_gemv import one_row_mode
+
+    def one_row(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        # The kernel reads the stored integers as laid out by pack_int4 / torchao: dense rows.
+        dense = all(w.is_contiguous() for w in weights)
+        return (kernel if one_row_mode() == "kernel" and dense else reduction)(x, *weights)
+    return one_row
+
+
 def _by_width(one_row: Callable[..., torch.Tensor], many_rows: Callable[..., torch.Tensor],
               reduce: bool) -> Callable[..., torch.Tensor]:
     def call(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
@@ -190,15 +206,19 @@ def lower_quantized_linears(program: fx.GraphModule, reduce: bool) -> int:
     for node in list(program.graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is torch.ops.offgraph_kv.int8_linear.default:
-            fn, args = _by_width(int8_one_row, int8_many_rows, reduce), tuple(node.args)
-        elif node.target is torch.ops.offgraph_kv.int4_linear.default:
+        ops = torch.ops.offgraph_kv
+        if node.target is ops.int8_linear.default:
+            one = _kernel_or(int8_one_row, ops.int8_linear_rows)
+            fn, args = _by_width(one, int8_many_rows, reduce), tuple(node.args)
+        elif node.target is ops.int4_linear.default:
             x, packed, scale, zero = node.args
             if zero is None:
-                fn = _by_width(_without_zero(int4_one_row), _without_zero(int4_many_rows), reduce)
+                one = _kernel_or(_without_zero(int4_one_row), ops.int4_linear_rows)
+                fn = _by_width(one, _without_zero(int4_many_rows), reduce)
                 args = (x, packed, scale)
             else:
-                fn, args = _by_width(int4_one_row, int4_many_rows, reduce), (x, packed, scale, zero)
+                one = _kernel_or(int4_one_row, ops.int4z_linear_rows)
+                fn, args = _by_width(one, int4_many_rows, reduce), (x, packed, scale, zero)
         else:
             continue
         with program.graph.inserting_before(node):

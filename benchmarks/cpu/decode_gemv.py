@@ -1,16 +1,18 @@
-"""CPU decode linears as reductions vs ATen's GEMM, SmolLM2 side by side in one process.
+"""CPU decode linears, SmolLM2 side by side in one process: our kernel, inductor's reduction, ATen's GEMM.
 
-    python -m benchmarks.cpu.decode_gemv [--dtypes bf16,fp32] [--workdir DIR] [--reuse]
+    python -m benchmarks.cpu.decode_gemv [--dtypes bf16,fp32] [--modes mm,reduce,kernel] [--workdir DIR] [--reuse]
 
-For each weight dtype, two programs of SmolLM2-135M-Instruct (the wheel's
-GGUF) exported by ``examples/llama/export.py``: ``reduce`` (the default:
-``backend/decode_gemv.py`` turns each linear into a branch on the step's rows,
-a reduction for one row) and ``mm`` (``OFFGRAPH_KV_CPU_GEMV=mm``: ATen's GEMM
-for every width, as before). Both are loaded in this process and fed the same
-200-token prompt in 64-token steps (prefill logits must be equal: wider steps
-take the same path), then decoded greedily, each from its own tokens, the two
-programs taking turns step by step (one thread; the machine is shared, so the
-ratio within the run is the number to read). Writes JSON, a Markdown table and
+For each weight dtype, one program of SmolLM2-135M-Instruct (the wheel's
+GGUF) per mode, exported by ``examples/llama/export.py`` with
+``OFFGRAPH_KV_CPU_GEMV`` set to it (``backend/decode_gemv.py``): ``kernel``
+(the default: each linear branches on the step's rows, one row -> our kernel,
+``backend/native/decode_linear.cpp``), ``reduce`` (one row -> inductor's
+reduction) and ``mm`` (ATen's GEMM for every width). All are loaded in this
+process and fed the same 200-token prompt in 64-token steps (prefill logits
+must be equal: wider steps take the same path), then decoded greedily, each
+from its own tokens, the programs taking turns step by step (one thread; the
+machine is shared, so the ratios within the run are the numbers to read; each
+is a mode's median over the first mode's). Writes JSON, a Markdown table and
 a bar plot.
 """
 
@@ -30,7 +32,7 @@ from benchmarks.lib.machine import describe, now_utc
 from benchmarks.lib.paths import REPO, RESULTS
 
 EXPORT = REPO / "examples" / "llama" / "export.py"
-MODES = ("mm", "reduce")
+MODES = ("mm", "reduce", "kernel")
 
 
 def export(dtype: str, mode: str, out: Path) -> float:
@@ -52,23 +54,27 @@ def measure(paths: Dict[str, Path], steps: int, context: int) -> Dict[str, objec
     torch.set_num_threads(1)
     methods = {k: rt.load_method(p) for k, p in paths.items()}
     last, times, ids = greedy_turns(methods, context, steps)
-    prefill_equal = bool(torch.equal(last["mm"], last["reduce"]))
-    same = sum(a == b for a, b in zip(ids["mm"], ids["reduce"]))
+    base = next(iter(paths))
     ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    return {"decode_ms_median": ms, "reduce_over_mm": ms["reduce"] / ms["mm"], "prefill_logits_equal": prefill_equal,
-            "greedy_ids_equal": same, "steps": steps, "context": context}
+    return {"decode_ms_median": ms, "over_" + base: {k: v / ms[base] for k, v in ms.items()},
+            "prefill_logits_equal": {k: bool(torch.equal(last[base], v)) for k, v in last.items()},
+            "greedy_ids_equal": {k: sum(a == b for a, b in zip(ids[base], v)) for k, v in ids.items()},
+            "steps": steps, "context": context}
 
 
 def report(result: Dict[str, object], md: Path, png: Path) -> None:
-    lines = [f"### CPU decode linears: reductions vs ATen's GEMM, SmolLM2-135M ({result['date']})", "",
-             f"`{result['command']}`; {result['machine'].get('cpu_model', '')}, one thread, the two programs of "
-             "each dtype taking turns step by step in one process.", "",
-             "| weights + KV | mm (ATen GEMM) ms/token | reduce ms/token | reduce / mm | prefill logits equal | "
-             "greedy ids equal |", "|---|---:|---:|---:|---|---:|"]
+    modes = result["modes"]
+    base = modes[0]
+    lines = [f"### CPU decode linears: {', '.join(modes)}, SmolLM2-135M ({result['date']})", "",
+             f"`{result['command']}`; {result['machine'].get('cpu_model', '')}, one thread, the programs of "
+             f"each dtype taking turns step by step in one process; ratios over `{base}`, prefill logits and "
+             f"greedy ids against `{base}`'s.", "",
+             "| weights + KV | mode | decode ms/token @200 | over " + base + " | prefill logits equal | "
+             "greedy ids equal |", "|---|---|---:|---:|---|---:|"]
     for dtype, r in result["runs"].items():
-        ms = r["decode_ms_median"]
-        lines.append(f"| {dtype} | {ms['mm']:.2f} | {ms['reduce']:.2f} | {r['reduce_over_mm']:.2f} | "
-                     f"{r['prefill_logits_equal']} | {r['greedy_ids_equal']}/{r['steps']} |")
+        for mode in modes:
+            lines.append(f"| {dtype} | {mode} | {r['decode_ms_median'][mode]:.2f} | {r['over_' + base][mode]:.2f} | "
+                         f"{r['prefill_logits_equal'][mode]} | {r['greedy_ids_equal'][mode]}/{r['steps']} |")
     md.write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -79,16 +85,18 @@ def report(result: Dict[str, object], md: Path, png: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     dtypes = list(result["runs"])
-    for j, mode in enumerate(MODES):
-        ax.bar([i + 0.4 * j for i in range(len(dtypes))], [result["runs"][d]["decode_ms_median"][mode] for d in dtypes],
-               width=0.4, label=mode)
-    ax.set_xticks([i + 0.2 for i in range(len(dtypes))], dtypes)
-    finish_plot(fig, ax, "weights + KV", "decode ms/token @200", "SmolLM2 decode: reductions vs GEMM", str(png))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        ax.bar([i + width * j for i in range(len(dtypes))], [result["runs"][d]["decode_ms_median"][mode] for d in dtypes],
+               width=width, label=mode)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(dtypes))], dtypes)
+    finish_plot(fig, ax, "weights + KV", "decode ms/token @200", "SmolLM2 decode linears per mode", str(png))
 
 
 def main(argv: "List[str] | None" = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--modes", default=",".join(MODES), help="OFFGRAPH_KV_CPU_GEMV modes; ratios over the first")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/offgraph_kv_decode_gemv"))
     p.add_argument("--reuse", action="store_true", help="use programs already exported into --workdir")
@@ -97,9 +105,9 @@ def main(argv: "List[str] | None" = None) -> int:
     a.workdir.mkdir(parents=True, exist_ok=True)
     result: Dict[str, object] = {"date": now_utc(), "machine": describe(),
                                  "command": "python -m benchmarks.cpu.decode_gemv " + " ".join(argv or sys.argv[1:]),
-                                 "runs": {}, "export_s": {}}
+                                 "modes": a.modes.split(","), "runs": {}, "export_s": {}}
     for dtype in a.dtypes.split(","):
-        paths = {m: a.workdir / f"{dtype}_{m}.pte" for m in MODES}
+        paths = {m: a.workdir / f"{dtype}_{m}.pte" for m in result["modes"]}
         for mode, path in paths.items():
             if not (a.reuse and path.exists()):
                 result["export_s"][f"{dtype}_{mode}"] = export(dtype, mode, path)

@@ -21,7 +21,10 @@ Candidates:
   and freezing (inductor's C++ GEMM template, weights packed at compile time);
 - ``prepack``: freezing with ``cpp.weight_prepack`` (mkldnn / MKL packed linear);
 - ``reduction``: the linear written as ``(x[:, None, :] * w).sum(-1)`` in fp32,
-  which inductor compiles to its own vectorised reduction (no extern call).
+  which inductor compiles to its own vectorised reduction (no extern call);
+- ``kernel``: our kernel (``offgraph_kv::linear_rows``, ``backend/native/decode_linear.cpp``),
+  linked into the program as every CPU export links it (what one-row linears
+  run by default).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Dict, List, Tuple
 SHAPES: List[Tuple[int, int]] = [(576, 576), (576, 192), (576, 1536), (1536, 576), (576, 49152)]
 MAX_WIDTH = 64
 PASS_CACHE_BYTES = 48 << 20
-VARIANTS = ("aten", "cpp_gemm", "prepack", "reduction")
+VARIANTS = ("aten", "cpp_gemm", "prepack", "reduction", "kernel")
 
 _COMPILE = r"""
 import json, sys, torch
@@ -57,6 +60,16 @@ class Reduction(nn.Module):
     def forward(self, x):
         return (x[:, None, :].float() * self.weight.float()).sum(-1).to(x.dtype)
 
+class Kernel(nn.Module):
+    # Our decode-linear kernel, called by the generated code as a C function.
+    def __init__(self, lin):
+        super().__init__()
+        self.weight = lin.weight
+    def forward(self, x):
+        return torch.ops.offgraph_kv.linear_rows(x, self.weight)
+
+WRAP = {"reduction": Reduction, "kernel": Kernel}
+
 class Copies(nn.Module):
     def __init__(self):
         super().__init__()
@@ -66,11 +79,12 @@ class Copies(nn.Module):
             lin = nn.Linear(K, N, bias=False)
             with torch.no_grad():
                 lin.weight.copy_(torch.randn(N, K, generator=g) / K ** 0.5)
-            lins.append(Reduction(lin) if spec["variant"] == "reduction" else lin)
+            lins.append(WRAP.get(spec["variant"], lambda l: l)(lin))
         self.lins = nn.ModuleList(lins)
     def forward(self, x):
         return tuple(l(x) for l in self.lins)
 
+import offgraph_kv.backend.cpu_kernels  # registers offgraph_kv::linear_rows
 m = Copies().to(dtype).eval()
 x = torch.randn(4, K, dtype=dtype)
 t = torch.export.Dim("t", min=1, max=spec["max_width"])
@@ -78,6 +92,9 @@ with torch.no_grad():
     ep = torch.export.export(m, (x,), dynamic_shapes={"x": {0: t}})
     options = dict(spec["options"])
     options["aot_inductor.output_path"] = spec["out"]
+    if spec["variant"] == "kernel":
+        from offgraph_kv.backend.cpu_kernels import shim_options
+        options.update(shim_options())
     path = torch._inductor.aot_compile(ep.module(), (x,), options=options)
 print(path if isinstance(path, str) else [p for p in path if p.endswith(".so")][0])
 """
@@ -104,9 +121,15 @@ def compile_one(variant: str, dtype: str, k: int, n: int, outdir: Path, reuse: b
         return {"so": str(out), "copies": copies, "compile_s": float("nan")}
     spec = {"variant": variant, "dtype": dtype, "k": k, "n": n, "copies": copies, "max_width": MAX_WIDTH,
             "options": variant_options(variant), "out": str(out)}
+    env = symbolic_compile_env()
+    if variant == "kernel":  # the program's link takes our kernels' object, as an export's does
+        from offgraph_kv.backend.aoti_compile import inductor_cache_dir
+        from offgraph_kv.backend.cpu_kernels import build_object
+
+        env.update(OFFGRAPH_KV_LINK_INTO=str(out), OFFGRAPH_KV_LINK_OBJECT=build_object(inductor_cache_dir()))
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(spec)], capture_output=True, text=True,
-                          env=symbolic_compile_env())
+                          env=env)
     took = time.perf_counter() - t0
     if done.returncode != 0:
         return {"error": done.stderr[-1500:], "compile_s": took}
@@ -120,6 +143,8 @@ def kernel_in(so: str) -> str:
         return "oneDNN packed linear"
     if b"CppMicroGemm" in data or b"micro_gemm" in data:
         return "C++ GEMM template"
+    if b"aoti_torch_cpu_linear_rows" in data:
+        return "offgraph-kv kernel"
     if b"aoti_torch_cpu_mm_out" in data or b"aoti_torch_cpu_addmm_out" in data:
         return "ATen mm"
     return "inductor kernel"

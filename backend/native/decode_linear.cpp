@@ -1,0 +1,480 @@
+// CPU decode linears: y[r, n] = sum_k x[r, k] * W[n, k] for the few rows of a
+// decode step, over weights as the .pte stores them (fp32, bf16 or fp16; int8
+// with a scale per output row; int4 two values a byte with a scale, and
+// optionally a zero point, per group of inputs). Compiled into each CPU
+// program's shared object at export (backend/cpu_kernels.py builds it) and
+// called by AOTInductor's generated code as the C shims of
+// offgraph_kv::linear_rows, int8_linear_rows and int4_linear_rows.
+//
+// Why a kernel of our own: a decode step is ~80 % matrix-vector products, which
+// only stream the weights. ATen's one-row GEMM reads them at a third to a half
+// of one core's bandwidth here, and inductor's reduction (sum(x * w), one
+// output at a time) reloads the activations for every output and sums each
+// vector horizontally per output. Here four outputs share each activation
+// load, the weight rows stream side by side, and the horizontal sums run once
+// per output (benchmarks/cpu/gemv.py measures it against both, per shape).
+//
+// Only the stable AOTI C shim is used (no ATen headers), as decode_attention.cpp.
+// Accumulation is fp32, as a GEMM's; the output takes the activations' dtype.
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+struct Bf16 { uint16_t x; };
+struct Half { uint16_t x; };
+
+// ----------------------------------------------------------------------------
+// Scalar conversions (tails, the output, and machines without the vector ISA)
+// ----------------------------------------------------------------------------
+
+inline float to_float(float x) { return x; }
+inline float to_float(Bf16 v) {
+  const uint32_t bits = uint32_t(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float to_float(Half v) {
+  const uint16_t h = v.x;
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: exact in fp32
+    float f = float(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, Bf16* out) {  // round to nearest even, as torch's cast
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if (std::isnan(x)) {
+    out->x = uint16_t((bits >> 16) | 0x40);
+    return;
+  }
+  out->x = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+inline void from_float(float x, Half* out) {  // round to nearest even, as torch's cast
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint16_t sign = uint16_t((bits >> 16) & 0x8000);
+  const float a = std::fabs(x);
+  if (std::isnan(x)) {
+    out->x = uint16_t(sign | 0x7e00);
+  } else if (a >= 65520.f) {  // rounds past the largest half
+    out->x = uint16_t(sign | 0x7c00);
+  } else if (a < 6.103515625e-05f) {  // subnormal half: a multiple of 2^-24, rounded to even
+    out->x = uint16_t(sign | uint16_t(std::nearbyint(a * 16777216.f)));
+  } else {
+    uint32_t m;
+    std::memcpy(&m, &a, 4);
+    const uint32_t rounded = m + 0xfffu + ((m >> 13) & 1u);
+    out->x = uint16_t(sign | uint16_t((rounded - (112u << 23)) >> 13));
+  }
+}
+
+// ----------------------------------------------------------------------------
+// The vector ISA the program was compiled for (inductor's: AVX-512 or AVX2)
+// ----------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float x) { return _mm512_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const Bf16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline Vec vload(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// kLanes packed bytes' low and high nibbles, as floats.
+inline void vnibbles(const uint8_t* p, Vec* lo, Vec* hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+#define OFFGRAPH_KV_VECTOR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float x) { return _mm256_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const Bf16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#ifdef __F16C__
+inline Vec vload(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#else
+inline Vec vload(const Half* p) {
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = to_float(p[i]);
+  return _mm256_load_ps(f);
+}
+#endif
+inline Vec vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void vnibbles(const uint8_t* p, Vec* lo, Vec* hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#define OFFGRAPH_KV_VECTOR 1
+#else
+constexpr int64_t kLanes = 1;
+#endif
+
+constexpr int64_t kBlockRows = 4;           // outputs that share each activation load
+constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more than it reads
+
+// ----------------------------------------------------------------------------
+// The weight formats: each computes a block of B outputs' dots with one row
+// of fp32 activations (xf, K values; xsum[g]: the activations' sum per int4 group)
+// ----------------------------------------------------------------------------
+
+template <typename W>
+struct Dense {  // fp32 / bf16 / fp16 weights [N, K]
+  const W* w;
+  int64_t k;
+  template <int B>
+  void dots(int64_t n, const float* __restrict xf, const float*, float* out) const {
+    int64_t x = 0;
+#ifdef OFFGRAPH_KV_VECTOR
+    Vec acc[B];
+    for (int b = 0; b < B; ++b) acc[b] = vzero();
+    for (; x + kLanes <= k; x += kLanes) {
+      const Vec xv = vload(xf + x);
+      for (int b = 0; b < B; ++b) acc[b] = vfma(vload(w + (n + b) * k + x), xv, acc[b]);
+    }
+    for (int b = 0; b < B; ++b) out[b] = vsum(acc[b]);
+#else
+    for (int b = 0; b < B; ++b) out[b] = 0.f;
+#endif
+    for (; x < k; ++x)
+      for (int b = 0; b < B; ++b) out[b] += to_float(w[(n + b) * k + x]) * xf[x];
+  }
+};
+
+template <typename S>
+struct Int8Rows {  // int8 weights [N, K], one scale per output row
+  const int8_t* q;
+  const S* scale;
+  int64_t k;
+  template <int B>
+  void dots(int64_t n, const float* __restrict xf, const float*, float* out) const {
+    int64_t x = 0;
+#ifdef OFFGRAPH_KV_VECTOR
+    Vec acc[B];
+    for (int b = 0; b < B; ++b) acc[b] = vzero();
+    for (; x + kLanes <= k; x += kLanes) {
+      const Vec xv = vload(xf + x);
+      for (int b = 0; b < B; ++b) acc[b] = vfma(vload(q + (n + b) * k + x), xv, acc[b]);
+    }
+    for (int b = 0; b < B; ++b) out[b] = vsum(acc[b]);
+#else
+    for (int b = 0; b < B; ++b) out[b] = 0.f;
+#endif
+    for (; x < k; ++x)
+      for (int b = 0; b < B; ++b) out[b] += float(q[(n + b) * k + x]) * xf[x];
+    for (int b = 0; b < B; ++b) out[b] *= to_float(scale[n + b]);
+  }
+};
+
+template <typename S>
+struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j + G/2), q + 8 stored
+  const uint8_t* packed;
+  const S* scale;       // [N, K/G]
+  const int8_t* zero;   // [N, K/G] or null (symmetric)
+  int64_t groups, half;
+  template <int B>
+  void dots(int64_t n, const float* __restrict xf, const float* __restrict xsum, float* out) const {
+    float total[B] = {};
+#ifdef OFFGRAPH_KV_VECTOR
+    Vec acc[B];
+    for (int b = 0; b < B; ++b) acc[b] = vzero();
+    const bool vector_groups = half % kLanes == 0;
+#else
+    const bool vector_groups = false;
+#endif
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* __restrict xlo = xf + g * 2 * half;
+      const float* __restrict xhi = xlo + half;
+      for (int b = 0; b < B; ++b) {
+        const int64_t row = n + b;
+        const uint8_t* p = packed + (row * groups + g) * half;
+        const float s = to_float(scale[row * groups + g]);
+        // The stored nibble is q + 8 and w = (q - zero) * s: the offset's share, once per group.
+        const float offset = 8.f + (zero ? float(zero[row * groups + g]) : 0.f);
+        total[b] -= s * offset * xsum[g];
+        if (vector_groups) {
+#ifdef OFFGRAPH_KV_VECTOR
+          Vec t = vzero();
+          for (int64_t j = 0; j < half; j += kLanes) {
+            Vec lo, hi;
+            vnibbles(p + j, &lo, &hi);
+            t = vfma(lo, vload(xlo + j), t);
+            t = vfma(hi, vload(xhi + j), t);
+          }
+          acc[b] = vfma(t, vset(s), acc[b]);
+#endif
+        } else {
+          float t = 0.f;
+          for (int64_t j = 0; j < half; ++j) t += float(p[j] & 15) * xlo[j] + float(p[j] >> 4) * xhi[j];
+          total[b] += s * t;
+        }
+      }
+    }
+#ifdef OFFGRAPH_KV_VECTOR
+    for (int b = 0; b < B; ++b) out[b] = total[b] + vsum(acc[b]);
+#else
+    for (int b = 0; b < B; ++b) out[b] = total[b];
+#endif
+  }
+};
+
+// ----------------------------------------------------------------------------
+// Rows of activations in, rows of outputs out
+// ----------------------------------------------------------------------------
+
+// out[r, n] for r < rows, n < outputs: each row's activations widened to fp32
+// once (and summed per int4 group), the outputs split over the threads
+// OpenMP allows (the runtime sets one per decode step unless asked otherwise).
+template <typename X, typename Format>
+void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, int64_t outputs, int64_t group,
+                 const Format& format, X* y) {
+  std::vector<float> xf(k), xsum(group ? k / group : 0);
+  int64_t parts = 1;
+#ifdef _OPENMP
+  parts = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), outputs / kOutputsPerThread));
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < k; ++i) xf[i] = to_float(x[r * x_row + i * x_col]);
+    for (int64_t g = 0; g < int64_t(xsum.size()); ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < group; ++i) s += xf[g * group + i];
+      xsum[g] = s;
+    }
+    X* yr = y + r * outputs;
+    const int64_t per = ((outputs + parts - 1) / parts + kBlockRows - 1) / kBlockRows * kBlockRows;
+#pragma omp parallel for num_threads(parts) if (parts > 1) schedule(static, 1)
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t begin = std::min(outputs, p * per), end = std::min(outputs, begin + per);
+      float d[kBlockRows];
+      int64_t n = begin;
+      for (; n + kBlockRows <= end; n += kBlockRows) {
+        format.template dots<kBlockRows>(n, xf.data(), xsum.data(), d);
+        for (int64_t b = 0; b < kBlockRows; ++b) from_float(d[b], yr + n + b);
+      }
+      for (; n < end; ++n) {
+        format.template dots<1>(n, xf.data(), xsum.data(), d);
+        from_float(d[0], yr + n);
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// The C boundary
+// ----------------------------------------------------------------------------
+
+struct View {
+  int64_t dims = 0;
+  const int64_t* sizes = nullptr;
+  const int64_t* strides = nullptr;
+  int32_t dtype = 0;
+  void* data = nullptr;
+};
+
+bool view_of(AtenTensorHandle t, int64_t dims, View* v) {
+  if (t == nullptr) return false;
+  return aoti_torch_get_dim(t, &v->dims) == AOTI_TORCH_SUCCESS && v->dims == dims &&
+         aoti_torch_get_sizes(t, const_cast<int64_t**>(&v->sizes)) == AOTI_TORCH_SUCCESS &&
+         aoti_torch_get_strides(t, const_cast<int64_t**>(&v->strides)) == AOTI_TORCH_SUCCESS &&
+         aoti_torch_get_dtype(t, &v->dtype) == AOTI_TORCH_SUCCESS &&
+         aoti_torch_get_data_ptr(t, &v->data) == AOTI_TORCH_SUCCESS;
+}
+
+bool contiguous(const View& v) {
+  int64_t expect = 1;
+  for (int64_t d = v.dims - 1; d >= 0; --d) {
+    if (v.sizes[d] != 1 && v.strides[d] != expect) return false;
+    expect *= v.sizes[d];
+  }
+  return true;
+}
+
+// The activations [R, K] (any strides: they are read once, into fp32) and a new output [R, N] of their dtype.
+bool activations(AtenTensorHandle x, int64_t k, int64_t n, View* xv, AtenTensorHandle* out, void** out_data) {
+  if (!view_of(x, 2, xv) || xv->sizes[1] != k || xv->sizes[0] < 0) return false;
+  const int64_t sizes[2] = {xv->sizes[0], n}, strides[2] = {n, 1};
+  if (aoti_torch_empty_strided(2, sizes, strides, xv->dtype, aoti_torch_device_type_cpu(), 0, out)) return false;
+  if (aoti_torch_get_data_ptr(*out, out_data)) {
+    aoti_torch_delete_tensor_object(*out);
+    return false;
+  }
+  return true;
+}
+
+// Calls fn with the activations' element type (fp32, bf16 or fp16); false for any other.
+template <typename Fn>
+bool with_float_type(int32_t dtype, Fn&& fn) {
+  if (dtype == aoti_torch_dtype_float32()) return fn(float{}), true;
+  if (dtype == aoti_torch_dtype_bfloat16()) return fn(Bf16{}), true;
+  if (dtype == aoti_torch_dtype_float16()) return fn(Half{}), true;
+  return false;
+}
+
+// One result for every entry point: the output on success, nothing on failure
+// (the generated code then fails the step).
+AOTITorchError finish(bool ok, AtenTensorHandle out, AtenTensorHandle* ret) {
+  if (!ok) {
+    if (out) aoti_torch_delete_tensor_object(out);
+    return AOTI_TORCH_FAILURE;
+  }
+  *ret = out;
+  return AOTI_TORCH_SUCCESS;
+}
+
+AOTITorchError dense_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret) {
+  View wv, xv;
+  if (!view_of(w, 2, &wv) || !contiguous(wv)) return AOTI_TORCH_FAILURE;
+  const int64_t n = wv.sizes[0], k = wv.sizes[1];
+  AtenTensorHandle out = nullptr;
+  void* y = nullptr;
+  if (!activations(x, k, n, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
+  bool ok = false;
+  with_float_type(xv.dtype, [&](auto xt) {
+    using X = decltype(xt);
+    ok = with_float_type(wv.dtype, [&](auto wt) {
+      using W = decltype(wt);
+      linear_rows(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], k, n, 0,
+                  Dense<W>{static_cast<const W*>(wv.data), k}, static_cast<X*>(y));
+    });
+  });
+  return finish(ok, out, ret);
+}
+
+AOTITorchError int8_linear(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, AtenTensorHandle* ret) {
+  View qv, sv, xv;
+  if (!view_of(q, 2, &qv) || !contiguous(qv) || qv.dtype != aoti_torch_dtype_int8()) return AOTI_TORCH_FAILURE;
+  const int64_t n = qv.sizes[0], k = qv.sizes[1];
+  if (!view_of(scale, 1, &sv) || !contiguous(sv) || sv.sizes[0] != n) return AOTI_TORCH_FAILURE;
+  AtenTensorHandle out = nullptr;
+  void* y = nullptr;
+  if (!activations(x, k, n, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
+  bool ok = false;
+  with_float_type(xv.dtype, [&](auto xt) {
+    using X = decltype(xt);
+    ok = with_float_type(sv.dtype, [&](auto st) {
+      using S = decltype(st);
+      linear_rows(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], k, n, 0,
+                  Int8Rows<S>{static_cast<const int8_t*>(qv.data), static_cast<const S*>(sv.data), k},
+                  static_cast<X*>(y));
+    });
+  });
+  return finish(ok, out, ret);
+}
+
+AOTITorchError int4_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle scale,
+                           AtenTensorHandle zero, AtenTensorHandle* ret) {
+  View pv, sv, zv, xv;
+  if (!view_of(packed, 3, &pv) || !contiguous(pv) || pv.dtype != aoti_torch_dtype_uint8()) return AOTI_TORCH_FAILURE;
+  const int64_t n = pv.sizes[0], groups = pv.sizes[1], half = pv.sizes[2], k = groups * 2 * half;
+  if (half < 1 || !view_of(scale, 2, &sv) || !contiguous(sv) || sv.sizes[0] != n || sv.sizes[1] != groups)
+    return AOTI_TORCH_FAILURE;
+  const int8_t* zp = nullptr;
+  if (zero != nullptr) {
+    if (!view_of(zero, 2, &zv) || !contiguous(zv) || zv.dtype != aoti_torch_dtype_int8() || zv.sizes[0] != n ||
+        zv.sizes[1] != groups)
+      return AOTI_TORCH_FAILURE;
+    zp = static_cast<const int8_t*>(zv.data);
+  }
+  AtenTensorHandle out = nullptr;
+  void* y = nullptr;
+  if (!activations(x, k, n, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
+  bool ok = false;
+  with_float_type(xv.dtype, [&](auto xt) {
+    using X = decltype(xt);
+    ok = with_float_type(sv.dtype, [&](auto st) {
+      using S = decltype(st);
+      linear_rows(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], k, n, 2 * half,
+                  Int4Groups<S>{static_cast<const uint8_t*>(pv.data), static_cast<const S*>(sv.data), zp, groups,
+                                half},
+                  static_cast<X*>(y));
+    });
+  });
+  return finish(ok, out, ret);
+}
+
+// No exception crosses the C boundary (a failed allocation fails the step instead).
+template <typename Fn>
+AOTITorchError guarded(Fn&& fn) {
+  try {
+    return fn();
+  } catch (...) {
+    return AOTI_TORCH_FAILURE;
+  }
+}
+
+}  // namespace
+
+extern "C" AOTITorchError aoti_torch_cpu_linear_rows(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+  return guarded([&] { return dense_linear(x, w, ret0); });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_int8_linear_rows(AtenTensorHandle x, AtenTensorHandle q,
+                                                          AtenTensorHandle scale, AtenTensorHandle* ret0) {
+  return guarded([&] { return int8_linear(x, q, scale, ret0); });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_int4_linear_rows(AtenTensorHandle x, AtenTensorHandle packed,
+                                                          AtenTensorHandle scale, AtenTensorHandle* ret0) {
+  return guarded([&] { return int4_linear(x, packed, scale, nullptr, ret0); });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_int4z_linear_rows(AtenTensorHandle x, AtenTensorHandle packed,
+                                                           AtenTensorHandle scale, AtenTensorHandle zero,
+                                                           AtenTensorHandle* ret0) {
+  return guarded([&] { return int4_linear(x, packed, scale, zero, ret0); });
+}

@@ -1,0 +1,109 @@
+"""Our CPU decode-linear kernels, compiled into an AOTInductor program the way
+every CPU program gets them (``backend/cpu_kernels.py``), against their eager
+forms (the fp32 sums the one-row reductions compute): fp32 / bf16 / fp16
+activations and weights, int8 rows with a scale each, int4 groups with and
+without zero points, input widths off the vector length, output counts off the
+four-output block and on both sides of a thread's share, several rows, strided
+activations.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+import torch
+from torch.export import Dim
+
+from offgraph_kv.backend.aoti_compile import compile_shared_object
+from offgraph_kv.backend.cpu_kernels import (_int4_rows_reference, _int4z_rows_reference,
+                                             _int8_rows_reference, _linear_rows_reference)
+from offgraph_kv.backend.quantized_linear import pack_int4
+
+# (activation dtype, weight dtype) of the dense calls
+DENSE = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+         (torch.float32, torch.bfloat16)]
+
+
+class _Calls(torch.nn.Module):
+    """Every kernel once per case; the activations arrive transposed ([K, R]) so the
+    kernels also read a strided view, as a fused producer may hand them one."""
+
+    def forward(self, xt: torch.Tensor, w32: torch.Tensor, wbf: torch.Tensor, w16: torch.Tensor,
+                q8: torch.Tensor, s8: torch.Tensor, p4: torch.Tensor, s4: torch.Tensor,
+                z4: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ops = torch.ops.offgraph_kv
+        x = xt.t()
+        ws = {torch.float32: w32, torch.bfloat16: wbf, torch.float16: w16}
+        outs = [ops.linear_rows(x.to(xd), ws[wd]) for xd, wd in DENSE]
+        outs.append(ops.int8_linear_rows(x, q8, s8))
+        outs.append(ops.int8_linear_rows(x.bfloat16(), q8, s8.bfloat16()))
+        outs.append(ops.int4_linear_rows(x, p4, s4))
+        outs.append(ops.int4z_linear_rows(x.bfloat16(), p4, s4.bfloat16(), z4))
+        return tuple(outs)
+
+
+def _inputs(rows: int, k: int, n: int, group: int, seed: int) -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(k, rows, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    q8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    s8 = torch.rand(n, generator=g) * 0.02 + 1e-3
+    q4 = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    s4 = torch.rand(n, k // group, generator=g) * 0.1 + 1e-3
+    z4 = torch.randint(-3, 4, (n, k // group), generator=g, dtype=torch.int8)
+    return [x, w, w.bfloat16(), w.half(), q8, s8, pack_int4(q4, group), s4, z4]
+
+
+def _expected(args: List[torch.Tensor]) -> List[torch.Tensor]:
+    xt, w32, wbf, w16, q8, s8, p4, s4, z4 = args
+    x = xt.t()
+    ws = {torch.float32: w32, torch.bfloat16: wbf, torch.float16: w16}
+    want = [_linear_rows_reference(x.to(xd), ws[wd]) for xd, wd in DENSE]
+    want.append(_int8_rows_reference(x, q8, s8))
+    want.append(_int8_rows_reference(x.bfloat16(), q8, s8.bfloat16()))
+    want.append(_int4_rows_reference(x, p4, s4))
+    want.append(_int4z_rows_reference(x.bfloat16(), p4, s4.bfloat16(), z4))
+    return want
+
+
+@pytest.fixture(scope="module", params=[32, 8], ids=["group32", "group8"])
+def compiled(request) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]":
+    group = request.param  # 32: each half-group whole vectors; 8: shorter than a vector (the scalar form)
+    args = _inputs(2, 4 * group, 12, group, 0)
+    r, n = Dim("rows", min=1, max=64), Dim("n", min=1, max=1 << 20)
+    kg = Dim("kgroups", min=1, max=4096)
+    k = group * kg
+    shapes = ({0: k, 1: r}, {0: n, 1: k}, {0: n, 1: k}, {0: n, 1: k}, {0: n, 1: k}, {0: n},
+              {0: n, 1: kg}, {0: n, 1: kg}, {0: n, 1: kg})
+    program = torch.export.export(_Calls(), tuple(args), dynamic_shapes=shapes)
+    code = compile_shared_object(program, args, "cpu")
+    path = Path(tempfile.mkdtemp(prefix="offgraph_kv_linear_")) / "calls.so"
+    path.write_bytes(code.so_bytes)
+    return torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1), group
+
+
+def _tolerance(dtype: torch.dtype) -> Tuple[float, float]:
+    # One rounding of an fp32 sum to the output dtype, plus the sums' order.
+    return {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}[dtype]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,kgroups,n", [(1, 1, 1), (1, 3, 7), (1, 18, 576), (3, 5, 13), (1, 2, 1031),
+                                            (2, 9, 4097)])
+def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, rows, kgroups, n, threads):
+    runner, group = compiled
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # outputs split over what OpenMP allows (2: from 1,024 outputs)
+    try:
+        args = _inputs(rows, kgroups * group, n, group, seed=n * 7 + kgroups)
+        got = runner.run(args)
+    finally:
+        torch.set_num_threads(before)
+    for i, want in enumerate(_expected(args)):
+        assert got[i].dtype == want.dtype and got[i].shape == (rows, n), i
+        atol, rtol = _tolerance(want.dtype)
+        torch.testing.assert_close(got[i].float(), want.float(), atol=atol, rtol=rtol, msg=lambda m: f"call {i}: {m}")
+
