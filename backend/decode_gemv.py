@@ -7,8 +7,8 @@ a half of what one core reads here; inductor's own reduction kernel over the
 same weight reads it about twice as fast for one row, but is 3-13x slower for
 64 (``benchmarks/results/cpu_gemv.md``). One program serves both widths, so
 each linear becomes a branch on the step width (``torch.cond``, compiled into
-the code): one row -> our kernel (``native/decode_linear.cpp``: four outputs
-per pass over the activations, fp32 accumulation) or, with
+the code): one row -> our kernel (``native/decode_linear.cpp``: each weight
+row streamed once as stored, fp32 accumulation) or, with
 ``OFFGRAPH_KV_CPU_GEMV=reduce``, inductor's ``sum(x * w)``; wider -> ATen's
 ``mm`` as before. Nothing is packed or copied: the weight stays the constant
 the ``.pte`` stores.
@@ -49,9 +49,21 @@ def reduction_applies() -> bool:
     return one_row_mode() != "mm"
 
 
+KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what native/decode_linear.cpp reads
+
+
+def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2) -> bool:
+    """Whether a one-row linear runs our kernel: the export's mode says so, every weight is a dense
+    row-major tensor as stored, and ``x`` and the first ``floats`` operands are fp32, bf16 or fp16
+    (any other dtype, fp64 say, keeps the reduction)."""
+    dense = all(w.is_contiguous() for w in weights)
+    typed = all(t.dtype in KERNEL_FLOATS for t in (x, *weights)[:floats])
+    return one_row_mode() == "kernel" and dense and typed
+
+
 def _one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # [1, K] x [N, K] -> [1, N]; the products and the sum in fp32 (as a GEMM accumulates).
-    if one_row_mode() == "kernel" and w.is_contiguous():  # the kernel reads dense weight rows
+    if kernel_takes(x, w):
         return torch.ops.offgraph_kv.linear_rows(x, w)
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
 

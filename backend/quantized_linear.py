@@ -174,13 +174,14 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional
 
 
 def _kernel_or(reduction: Callable[..., torch.Tensor], kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The one-row form the export's mode asks for (``decode_gemv.one_row_mode``, read when traced)."""
-    from offgraph_kv.backend.decode_gemv import one_row_mode
+    """The one-row form the export's mode asks for (``decode_gemv.kernel_takes``, decided when traced)."""
+    from offgraph_kv.backend.decode_gemv import kernel_takes
 
-    def one_row(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        # The kernel reads the stored integers as laid out by pack_int4 / torchao: dense rows.
-        dense = all(w.is_contiguous() for w in weights)
-        return (kernel if one_row_mode() == "kernel" and dense else reduction)(x, *weights)
+    def one_row(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, *zero: torch.Tensor) -> torch.Tensor:
+        # The kernel reads the stored integers as laid out by pack_int4 / torchao (dense rows), x and
+        # the scales as fp32 / bf16 / fp16.
+        take = kernel_takes(x, scale, qdata, *zero, floats=2)
+        return (kernel if take else reduction)(x, qdata, scale, *zero)
     return one_row
 
 

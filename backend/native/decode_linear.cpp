@@ -8,11 +8,13 @@
 //
 // Why a kernel of our own: a decode step is ~80 % matrix-vector products, which
 // only stream the weights. ATen's one-row GEMM reads them at a third to a half
-// of one core's bandwidth here, and inductor's reduction (sum(x * w), one
-// output at a time) reloads the activations for every output and sums each
-// vector horizontally per output. Here four outputs share each activation
-// load, the weight rows stream side by side, and the horizontal sums run once
-// per output (benchmarks/cpu/gemv.py measures it against both, per shape).
+// of one core's bandwidth here, and inductor's reduction needs the activations
+// widened per weight format in the graph. Here each weight row streams once,
+// in order, in its stored format, against fp32 activations widened once per
+// call (benchmarks/cpu/gemv.py measures it against both, per shape). Rows are
+// taken one at a time: on this AVX2 machine four rows side by side (each
+// activation load shared) read 0.75-0.85x as fast as one sequential stream,
+// two 0.8x (a standalone probe, interleaved runs, 2026-12-02).
 //
 // Only the stable AOTI C shim is used (no ATen headers), as decode_attention.cpp.
 // Accumulation is fp32, as a GEMM's; the output takes the activations' dtype.
@@ -165,7 +167,7 @@ inline float vsum(Vec a) {
 constexpr int64_t kLanes = 1;
 #endif
 
-constexpr int64_t kBlockRows = 4;           // outputs that share each activation load
+constexpr int64_t kBlockRows = 1;           // outputs per pass over the activations (see above)
 constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more than it reads
 
 // ----------------------------------------------------------------------------
