@@ -24,6 +24,7 @@ from typing import Dict, List
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "native" / n for n in ("decode_attention.cpp", "decode_linear.cpp"))
+HEADERS = (Path(__file__).parent / "native" / "float16.h",)  # what the sources include besides torch's
 
 _LIB = torch.library.Library("offgraph_kv", "FRAGMENT")
 _LIB.define("rows_attend_with_lse(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
@@ -135,7 +136,7 @@ def build_object(cache_dir: str, compiler: str = "g++") -> str:
     relocatable object), built once per sources, flags and compiler."""
     flags = _compile_flags()
     digest = hashlib.sha256("\0".join([compiler, *flags]).encode())
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     directory = os.path.join(cache_dir, "offgraph_kv_native")
     os.makedirs(directory, exist_ok=True)

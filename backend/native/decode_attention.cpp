@@ -16,6 +16,8 @@
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
+#include "float16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,37 +38,9 @@ namespace {
 constexpr int64_t kBlock = 64;           // rows per softmax block
 constexpr int64_t kRowsPerThread = 512;  // a thread below this costs more than it reads
 
-inline float widen(float x) { return x; }
-
-inline float widen_bf16(uint16_t x) {  // bf16 is the top half of an fp32
-  const uint32_t bits = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float widen_half(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16;
-  const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else {  // zero or subnormal: man * 2^-24, exact in fp32
-    float f = float(man) * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-struct Bf16 { uint16_t x; };
-struct Half { uint16_t x; };
-inline float widen(Bf16 x) { return widen_bf16(x.x); }
-inline float widen(Half x) { return widen_half(x.x); }
+using offgraph_kv_native::Bf16;
+using offgraph_kv_native::Half;
+using offgraph_kv_native::widen;
 
 // n stored elements widened into dst. The 16-bit rows go 16 at a time through
 // the ISA's conversions where the program's ISA has them (AVX-512: vcvtph2ps,

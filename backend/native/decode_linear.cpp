@@ -21,6 +21,8 @@
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
+#include "float16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,37 +40,13 @@
 
 namespace {
 
-struct Bf16 { uint16_t x; };
-struct Half { uint16_t x; };
+using offgraph_kv_native::Bf16;
+using offgraph_kv_native::Half;
+using offgraph_kv_native::widen;
 
 // ----------------------------------------------------------------------------
-// Scalar conversions (tails, the output, and machines without the vector ISA)
+// Scalar narrowing (the output)
 // ----------------------------------------------------------------------------
-
-inline float to_float(float x) { return x; }
-inline float to_float(Bf16 v) {
-  const uint32_t bits = uint32_t(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline float to_float(Half v) {
-  const uint16_t h = v.x;
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else {  // zero or subnormal: exact in fp32
-    float f = float(man) * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 inline void from_float(float x, float* out) { *out = x; }
 inline void from_float(float x, Bf16* out) {  // round to nearest even, as torch's cast
@@ -142,7 +120,7 @@ inline Vec vload(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinter
 #else
 inline Vec vload(const Half* p) {
   alignas(32) float f[8];
-  for (int i = 0; i < 8; ++i) f[i] = to_float(p[i]);
+  for (int i = 0; i < 8; ++i) f[i] = widen(p[i]);
   return _mm256_load_ps(f);
 }
 #endif
@@ -194,7 +172,7 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K]
     for (int b = 0; b < B; ++b) out[b] = 0.f;
 #endif
     for (; x < k; ++x)
-      for (int b = 0; b < B; ++b) out[b] += to_float(w[(n + b) * k + x]) * xf[x];
+      for (int b = 0; b < B; ++b) out[b] += widen(w[(n + b) * k + x]) * xf[x];
   }
 };
 
@@ -219,7 +197,7 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
 #endif
     for (; x < k; ++x)
       for (int b = 0; b < B; ++b) out[b] += float(q[(n + b) * k + x]) * xf[x];
-    for (int b = 0; b < B; ++b) out[b] *= to_float(scale[n + b]);
+    for (int b = 0; b < B; ++b) out[b] *= widen(scale[n + b]);
   }
 };
 
@@ -245,7 +223,7 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
       for (int b = 0; b < B; ++b) {
         const int64_t row = n + b;
         const uint8_t* p = packed + (row * groups + g) * half;
-        const float s = to_float(scale[row * groups + g]);
+        const float s = widen(scale[row * groups + g]);
         // The stored nibble is q + 8 and w = (q - zero) * s: the offset's share, once per group.
         const float offset = 8.f + (zero ? float(zero[row * groups + g]) : 0.f);
         total[b] -= s * offset * xsum[g];
@@ -291,7 +269,7 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
   parts = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), outputs / kOutputsPerThread));
 #endif
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < k; ++i) xf[i] = to_float(x[r * x_row + i * x_col]);
+    for (int64_t i = 0; i < k; ++i) xf[i] = widen(x[r * x_row + i * x_col]);
     for (int64_t g = 0; g < int64_t(xsum.size()); ++g) {
       float s = 0.f;
       for (int64_t i = 0; i < group; ++i) s += xf[g * group + i];
