@@ -153,8 +153,10 @@ constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more th
 // of fp32 activations (xf, K values; xsum[g]: the activations' sum per int4 group)
 // ----------------------------------------------------------------------------
 
+inline float widen(int8_t q) { return float(q); }
+
 template <typename W>
-struct Dense {  // fp32 / bf16 / fp16 weights [N, K]
+struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int8Rows applies)
   const W* w;
   int64_t k;
   template <int B>
@@ -178,25 +180,11 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K]
 
 template <typename S>
 struct Int8Rows {  // int8 weights [N, K], one scale per output row
-  const int8_t* q;
+  Dense<int8_t> q;
   const S* scale;
-  int64_t k;
   template <int B>
-  void dots(int64_t n, const float* __restrict xf, const float*, float* out) const {
-    int64_t x = 0;
-#ifdef OFFGRAPH_KV_VECTOR
-    Vec acc[B];
-    for (int b = 0; b < B; ++b) acc[b] = vzero();
-    for (; x + kLanes <= k; x += kLanes) {
-      const Vec xv = vload(xf + x);
-      for (int b = 0; b < B; ++b) acc[b] = vfma(vload(q + (n + b) * k + x), xv, acc[b]);
-    }
-    for (int b = 0; b < B; ++b) out[b] = vsum(acc[b]);
-#else
-    for (int b = 0; b < B; ++b) out[b] = 0.f;
-#endif
-    for (; x < k; ++x)
-      for (int b = 0; b < B; ++b) out[b] += float(q[(n + b) * k + x]) * xf[x];
+  void dots(int64_t n, const float* __restrict xf, const float* xsum, float* out) const {
+    q.template dots<B>(n, xf, xsum, out);
     for (int b = 0; b < B; ++b) out[b] *= widen(scale[n + b]);
   }
 };
@@ -389,7 +377,7 @@ AOTITorchError int8_linear(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHan
     ok = with_float_type(sv.dtype, [&](auto st) {
       using S = decltype(st);
       linear_rows(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], k, n, 0,
-                  Int8Rows<S>{static_cast<const int8_t*>(qv.data), static_cast<const S*>(sv.data), k},
+                  Int8Rows<S>{{static_cast<const int8_t*>(qv.data), k}, static_cast<const S*>(sv.data)},
                   static_cast<X*>(y));
     });
   });
