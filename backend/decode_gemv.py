@@ -7,9 +7,9 @@ a half of what one core reads here; inductor's own reduction kernel over the
 same weight reads it about twice as fast for one row, but is 3-13x slower for
 64 (``benchmarks/results/cpu_gemv.md``). One program serves both widths, so
 each linear becomes a branch on the step width (``torch.cond``, compiled into
-the code): one row -> our kernel (``native/decode_linear.cpp``: each weight
-row streamed once as stored, fp32 accumulation) or, with
-``OFFGRAPH_KV_CPU_GEMV=reduce``, inductor's ``sum(x * w)``; wider -> ATen's
+the code): one row -> inductor's ``sum(x * w)`` or, with
+``OFFGRAPH_KV_CPU_GEMV=kernel``, our kernel (``native/decode_linear.cpp``: each
+weight row streamed once as stored, fp32 accumulation); wider -> ATen's
 ``mm`` as before. Nothing is packed or copied: the weight stays the constant
 the ``.pte`` stores.
 
@@ -39,9 +39,12 @@ MODES = ("kernel", "reduce", "mm")
 
 
 def one_row_mode() -> str:
-    """How CPU exports run one-row linears (``OFFGRAPH_KV_CPU_GEMV``): "kernel" (the default: our
-    kernel), "reduce" (inductor's reduction) or "mm" (ATen's GEMM, no branch on the width)."""
-    return switch(ENV_SWITCH, MODES, MODES[0])
+    """How CPU exports run one-row linears (``OFFGRAPH_KV_CPU_GEMV``): "reduce" (the default:
+    inductor's reduction), "kernel" (our kernel) or "mm" (ATen's GEMM, no branch on the width).
+    The reduction stays the default: in whole SmolLM2 fp32 steps on this AVX2 machine the kernel
+    took 1.07x its time (``benchmarks/results/cpu_decode_gemv_kernel.md``), though it wins on
+    the output projection alone (``cpu_gemv_kernel.md``)."""
+    return switch(ENV_SWITCH, MODES, "reduce")
 
 
 def reduction_applies() -> bool:

@@ -4,10 +4,10 @@
 
 For each weight dtype, one program of SmolLM2-135M-Instruct (the wheel's
 GGUF) per mode, exported by ``examples/llama/export.py`` with
-``OFFGRAPH_KV_CPU_GEMV`` set to it (``backend/decode_gemv.py``): ``kernel``
-(the default: each linear branches on the step's rows, one row -> our kernel,
-``backend/native/decode_linear.cpp``), ``reduce`` (one row -> inductor's
-reduction) and ``mm`` (ATen's GEMM for every width). All are loaded in this
+``OFFGRAPH_KV_CPU_GEMV`` set to it (``backend/decode_gemv.py``): ``reduce``
+(the default: each linear branches on the step's rows, one row -> inductor's
+reduction), ``kernel`` (one row -> our kernel, ``backend/native/decode_linear.cpp``)
+and ``mm`` (ATen's GEMM for every width). All are loaded in this
 process and fed the same 200-token prompt in 64-token steps (prefill logits
 must be equal: wider steps take the same path), then decoded greedily, each
 from its own tokens, the programs taking turns step by step (one thread; the
