@@ -17,6 +17,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #include "float16.h"
+#include "shim_view.h"
 
 #include <algorithm>
 #include <cmath>
@@ -197,13 +198,6 @@ void dispatch_dims(const float* q, int64_t q_head, int64_t q_row, int64_t heads,
     attend<T, 0, 0>(q, q_head, q_row, heads, r, kd, vd, k, v, rows, scale, out, lse);
 }
 
-bool get_shape(AtenTensorHandle t, int64_t dims, const int64_t** sizes, const int64_t** strides) {
-  int64_t d = 0;
-  return aoti_torch_get_dim(t, &d) == AOTI_TORCH_SUCCESS && d == dims &&
-         aoti_torch_get_sizes(t, const_cast<int64_t**>(sizes)) == AOTI_TORCH_SUCCESS &&
-         aoti_torch_get_strides(t, const_cast<int64_t**>(strides)) == AOTI_TORCH_SUCCESS;
-}
-
 // q [1, H_kv, R, kd] fp32 (R query rows per KV head); k [1, H_kv, S, kd] and
 // v [1, H_kv, S, vd] of one dtype (fp32, bf16 or fp16), any row and head
 // strides, elements dense. Returns out [1, H_kv, R, vd] fp32 and each query
@@ -212,12 +206,12 @@ bool get_shape(AtenTensorHandle t, int64_t dims, const int64_t** sizes, const in
 // it does not take; the generated code then fails the step.
 AOTITorchError rows_attend_with_lse(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, double scale,
                                     AtenTensorHandle* ret0, AtenTensorHandle* ret1) {
-  const int64_t *qs, *qt, *ks, *kt, *vs, *vt;
-  if (!get_shape(q, 4, &qs, &qt) || !get_shape(k, 4, &ks, &kt) || !get_shape(v, 4, &vs, &vt))
+  offgraph_kv_native::View qv, kv, vv;
+  if (!offgraph_kv_native::view_of(q, 4, &qv) || !offgraph_kv_native::view_of(k, 4, &kv) ||
+      !offgraph_kv_native::view_of(v, 4, &vv))
     return AOTI_TORCH_FAILURE;
-  int32_t qtype = 0, ktype = 0, vtype = 0;
-  if (aoti_torch_get_dtype(q, &qtype) || aoti_torch_get_dtype(k, &ktype) || aoti_torch_get_dtype(v, &vtype))
-    return AOTI_TORCH_FAILURE;
+  const int64_t *qs = qv.sizes, *qt = qv.strides, *ks = kv.sizes, *kt = kv.strides, *vs = vv.sizes, *vt = vv.strides;
+  const int32_t qtype = qv.dtype, ktype = kv.dtype, vtype = vv.dtype;
   const int64_t heads = ks[1], rows = ks[2], kd = ks[3], r = qs[2], vd = vs[3];
   const bool shapes_agree = qs[0] == 1 && ks[0] == 1 && vs[0] == 1 && qs[1] == heads && vs[1] == heads &&
                             vs[2] == rows && qs[3] == kd && kd > 0 && vd > 0;
@@ -233,9 +227,8 @@ AOTITorchError rows_attend_with_lse(AtenTensorHandle q, AtenTensorHandle k, Aten
     aoti_torch_delete_tensor_object(out);
     return AOTI_TORCH_FAILURE;
   }
-  void *qp = nullptr, *kp = nullptr, *vp = nullptr, *op = nullptr, *lp = nullptr;
-  if (aoti_torch_get_data_ptr(q, &qp) || aoti_torch_get_data_ptr(k, &kp) || aoti_torch_get_data_ptr(v, &vp) ||
-      aoti_torch_get_data_ptr(out, &op) || aoti_torch_get_data_ptr(lse, &lp)) {
+  void *qp = qv.data, *kp = kv.data, *vp = vv.data, *op = nullptr, *lp = nullptr;
+  if (aoti_torch_get_data_ptr(out, &op) || aoti_torch_get_data_ptr(lse, &lp)) {
     aoti_torch_delete_tensor_object(out);
     aoti_torch_delete_tensor_object(lse);
     return AOTI_TORCH_FAILURE;

@@ -22,6 +22,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #include "float16.h"
+#include "shim_view.h"
 
 #include <algorithm>
 #include <cmath>
@@ -286,22 +287,8 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
 // The C boundary
 // ----------------------------------------------------------------------------
 
-struct View {
-  int64_t dims = 0;
-  const int64_t* sizes = nullptr;
-  const int64_t* strides = nullptr;
-  int32_t dtype = 0;
-  void* data = nullptr;
-};
-
-bool view_of(AtenTensorHandle t, int64_t dims, View* v) {
-  if (t == nullptr) return false;
-  return aoti_torch_get_dim(t, &v->dims) == AOTI_TORCH_SUCCESS && v->dims == dims &&
-         aoti_torch_get_sizes(t, const_cast<int64_t**>(&v->sizes)) == AOTI_TORCH_SUCCESS &&
-         aoti_torch_get_strides(t, const_cast<int64_t**>(&v->strides)) == AOTI_TORCH_SUCCESS &&
-         aoti_torch_get_dtype(t, &v->dtype) == AOTI_TORCH_SUCCESS &&
-         aoti_torch_get_data_ptr(t, &v->data) == AOTI_TORCH_SUCCESS;
-}
+using offgraph_kv_native::View;
+using offgraph_kv_native::view_of;
 
 bool contiguous(const View& v) {
   int64_t expect = 1;
