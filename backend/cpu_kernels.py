@@ -24,7 +24,7 @@ from typing import Dict, List
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "native" / n for n in ("decode_attention.cpp", "decode_linear.cpp"))
-HEADERS = tuple(Path(__file__).parent / "native" / n for n in ("float16.h", "shim_view.h"))  # included besides torch's
+HEADERS = tuple(Path(__file__).parent / "native" / n for n in ("float16.h", "shim_view.h", "vec.h"))  # included besides torch's
 
 _LIB = torch.library.Library("offgraph_kv", "FRAGMENT")
 _LIB.define("rows_attend_with_lse(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")

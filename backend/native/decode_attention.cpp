@@ -6,9 +6,17 @@
 // Why a kernel of our own: the store keeps K and V as [S, H_kv, D] rows. ATen's
 // fused CPU attention walks that history head by head (each head's D elements
 // H_kv * D apart) and runs GEMM machinery on a decode step's few query rows;
-// inductor's reductions over 16-bit rows vectorise poorly. Reading each stored
-// row once, every head of it together, with a blocked online softmax, takes
-// 0.75x ATen's time in fp32 and 0.39x the reductions' in bf16 at 2,000 rows
+// inductor's reductions over 16-bit rows vectorise poorly. Here a block of 64
+// stored rows is read once for every query of its KV head, widened in
+// registers (vec.h), with an online softmax over the block.
+//
+// A decode step's arithmetic is small but not free: at 2,000 rows the first
+// form of this kernel (one dot per query and key, each with its own horizontal
+// sum; a scalar expf per weight; each value row added into accumulators in
+// memory) took longer than reading the rows. So the dots go four keys by up to
+// three (AVX2) or four (AVX-512) queries in registers, with the four keys' sums
+// taken together; the weights' exp is vectorised; each value register of every
+// query's accumulator stays in a register while the block's rows pass
 // (benchmarks/results/cpu_attention_bandwidth.md).
 //
 // Only the stable AOTI C shim is used (no ATen headers): the object is built
@@ -18,6 +26,7 @@
 
 #include "float16.h"
 #include "shim_view.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,10 +34,6 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -38,42 +43,20 @@ namespace {
 
 constexpr int64_t kBlock = 64;           // rows per softmax block
 constexpr int64_t kRowsPerThread = 512;  // a thread below this costs more than it reads
+constexpr int64_t kKeysPerPass = 4;      // keys whose dots share each query load
+constexpr int64_t kRun = 16;             // rows taken for every head before the next rows
+// Queries whose dots share each key load: kKeysPerPass x this accumulators
+// stay in registers (16 on AVX2, 32 on AVX-512).
+#if defined(__AVX512F__)
+constexpr int kQueriesPerPass = 4;
+#else
+constexpr int kQueriesPerPass = 3;
+#endif
 
 using offgraph_kv_native::Bf16;
 using offgraph_kv_native::Half;
 using offgraph_kv_native::widen;
-
-// n stored elements widened into dst. The 16-bit rows go 16 at a time through
-// the ISA's conversions where the program's ISA has them (AVX-512: vcvtph2ps,
-// and bf16 as a shift); the compiler does not vectorise the scalar forms.
-template <typename T>
-inline void widen_row(const T* __restrict src, float* __restrict dst, int64_t n) {
-  int64_t x = 0;
-#ifdef __AVX512F__
-  if constexpr (std::is_same_v<T, Bf16>) {
-    for (; x + 16 <= n; x += 16) {
-      const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x)));
-      _mm512_storeu_ps(dst + x, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-    }
-  } else if constexpr (std::is_same_v<T, Half>) {
-    for (; x + 16 <= n; x += 16)
-      _mm512_storeu_ps(dst + x, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x))));
-  }
-#endif
-#pragma omp simd
-  for (int64_t i = x; i < n; ++i) dst[i] = widen(src[i]);
-}
-
-// One head's row as fp32: fp32 rows are read in place, 16-bit ones widened into scratch.
-template <typename T>
-inline const float* row_as_float(const T* src, float* scratch, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    widen_row(src, scratch, n);
-    return scratch;
-  }
-}
+using namespace offgraph_kv_native::vec;
 
 // Where one operand's rows lie: element (row s, head h, x) at base[s*row + h*head + x].
 template <typename T>
@@ -88,61 +71,169 @@ struct Partial {
   Partial(int64_t queries, int64_t vd) : peak(queries, -INFINITY), total(queries, 0.f), acc(queries * vd, 0.f) {}
 };
 
+// logits[g * kBlock + j] = scale * q_g . k_j for NQ queries (row stride q_row)
+// and n keys (row stride k_row), d elements each. Each key row is read once for
+// all NQ queries, kKeysPerPass keys at a time, and their sums taken together.
+template <int NQ, int64_t D, typename T>
+void dots(const float* q, int64_t q_row, const T* k, int64_t k_row, int64_t n, int64_t d_rt, float scale,
+          float* logits) {
+  static_assert(kKeysPerPass == 4, "vsum4 takes four keys' sums");
+  const int64_t d = D ? D : d_rt;
+  int64_t j = 0;
+#ifdef OFFGRAPH_KV_VECTOR
+  const int64_t dv = d / kLanes * kLanes;
+  for (; j + kKeysPerPass <= n; j += kKeysPerPass) {
+    Vec acc[NQ][kKeysPerPass];
+    for (int g = 0; g < NQ; ++g)
+      for (int b = 0; b < kKeysPerPass; ++b) acc[g][b] = vzero();
+    for (int64_t x = 0; x < dv; x += kLanes) {
+      for (int b = 0; b < kKeysPerPass; ++b) {
+        const Vec kv = vload(k + (j + b) * k_row + x);
+        for (int g = 0; g < NQ; ++g) acc[g][b] = vfma(vload(q + g * q_row + x), kv, acc[g][b]);
+      }
+    }
+    for (int g = 0; g < NQ; ++g) {
+      alignas(16) float s[4];
+      _mm_store_ps(s, vsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+      for (int b = 0; b < kKeysPerPass; ++b) {
+        float t = s[b];
+        for (int64_t x = dv; x < d; ++x) t += q[g * q_row + x] * widen(k[(j + b) * k_row + x]);
+        logits[g * kBlock + j + b] = t * scale;
+      }
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    for (int g = 0; g < NQ; ++g) {
+      float t = 0.f;
+#pragma omp simd reduction(+ : t)
+      for (int64_t x = 0; x < d; ++x) t += q[g * q_row + x] * widen(k[j * k_row + x]);
+      logits[g * kBlock + j] = t * scale;
+    }
+  }
+}
+
+// acc_g = acc_g * rescale[g] + sum_j p[g * kBlock + j] v_j for NQ queries (each
+// acc d wide, dense) and n value rows: a register of every query's acc stays
+// put while the rows stream past it.
+template <int NQ, int64_t D, typename T>
+void weigh(const float* p, const float* rescale, const T* v, int64_t v_row, int64_t n, int64_t d_rt, float* acc,
+           int64_t acc_row) {
+  const int64_t d = D ? D : d_rt;
+  int64_t x = 0;
+#ifdef OFFGRAPH_KV_VECTOR
+  for (const int64_t dv = d / kLanes * kLanes; x < dv; x += kLanes) {
+    Vec a[NQ];
+    for (int g = 0; g < NQ; ++g) a[g] = vmul(vload(acc + g * acc_row + x), vset(rescale[g]));
+    for (int64_t j = 0; j < n; ++j) {
+      const Vec vv = vload(v + j * v_row + x);
+      for (int g = 0; g < NQ; ++g) a[g] = vfma(vset(p[g * kBlock + j]), vv, a[g]);
+    }
+    for (int g = 0; g < NQ; ++g) vstore(acc + g * acc_row + x, a[g]);
+  }
+#endif
+  // The elements past the vector loop (all of them without a vector ISA), row by row.
+  if (x == d) return;
+  for (int g = 0; g < NQ; ++g)
+    for (int64_t e = x; e < d; ++e) acc[g * acc_row + e] *= rescale[g];
+  for (int64_t j = 0; j < n; ++j) {
+    const T* __restrict vr = v + j * v_row;
+    for (int g = 0; g < NQ; ++g) {
+      const float pg = p[g * kBlock + j];
+      float* __restrict a = acc + g * acc_row;
+#pragma omp simd
+      for (int64_t e = x; e < d; ++e) a[e] += pg * widen(vr[e]);
+    }
+  }
+}
+
+// Calls fn.template operator()<NQ>(g0) for the r queries of a head in passes of
+// at most kQueriesPerPass.
+template <typename Fn>
+void in_passes(int64_t r, Fn&& fn) {
+  int64_t g = 0;
+  for (; g + kQueriesPerPass <= r; g += kQueriesPerPass) fn(std::integral_constant<int, kQueriesPerPass>{}, g);
+  switch (r - g) {
+    case 1: fn(std::integral_constant<int, 1>{}, g); break;
+    case 2: fn(std::integral_constant<int, 2>{}, g); break;
+    case 3: fn(std::integral_constant<int, 3>{}, g); break;
+    default: break;
+  }
+}
+
+// The block's logits l[0, n) of one query become its softmax weights against
+// the running peak; returns the factor the query's earlier sums take.
+inline float softmax_block(float* l, int64_t n, float* peak, float* total) {
+  int64_t j = 0;
+  float m = *peak;
+#ifdef OFFGRAPH_KV_VECTOR
+  if (n >= kLanes) {
+    Vec mv = vload(l);
+    for (j = kLanes; j + kLanes <= n; j += kLanes) mv = vmax(vload(l + j), mv);
+    m = std::max(m, vhmax(mv));
+  }
+#endif
+  for (; j < n; ++j) m = std::max(m, l[j]);
+  // A row of -inf logits (a query that sees nothing yet) keeps weight 0, not NaN.
+  const float rescale = *peak == -INFINITY ? 0.f : std::exp(*peak - m);
+  *peak = m;
+  float sum = 0.f;
+  j = 0;
+  if (m == -INFINITY) {
+    std::fill(l, l + n, 0.f);
+  } else {
+#ifdef OFFGRAPH_KV_VECTOR
+    const Vec mv = vset(m);
+    Vec sv = vzero();
+    for (; j + kLanes <= n; j += kLanes) {
+      const Vec e = vexp(vsub(vload(l + j), mv));
+      vstore(l + j, e);
+      sv = vadd(sv, e);
+    }
+    sum = vsum(sv);
+#endif
+    for (; j < n; ++j) {
+      l[j] = std::exp(l[j] - m);
+      sum += l[j];
+    }
+  }
+  *total = *total * rescale + sum;
+  return rescale;
+}
+
 // Rows [begin, end) of every head into `part`. Queries are [H_kv, R, kd] at q
 // (head stride q_head, row stride q_row, elements dense). KD / VD fix the head
 // dims at compile time (0: read kd / vd), so the common ones are fixed-length loops.
 template <typename T, int64_t KD, int64_t VD>
 void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, int64_t r, int64_t kd_rt,
                  int64_t vd_rt, Rows<T> k, Rows<T> v, int64_t begin, int64_t end, float scale, Partial& part) {
-  const int64_t kd = KD ? KD : kd_rt, vd = VD ? VD : vd_rt, queries = heads * r;
-  std::vector<float> logits(queries * kBlock), k_any(KD ? 0 : kd), v_any(VD ? 0 : vd);
-  // One widened row of one head; on the stack where the head dim is fixed.
-  alignas(64) float k_fixed[KD ? KD : 1], v_fixed[VD ? VD : 1];
-  float* __restrict kf = KD ? k_fixed : k_any.data();
-  float* __restrict vf = VD ? v_fixed : v_any.data();
+  const int64_t kd = kd_rt, vd = vd_rt, queries = heads * r;
+  std::vector<float> logits(queries * kBlock), rescale(queries);
+  float ones[kQueriesPerPass];
+  std::fill(ones, ones + kQueriesPerPass, 1.f);
   for (int64_t s0 = begin; s0 < end; s0 += kBlock) {
     const int64_t n = std::min(kBlock, end - s0);
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* __restrict kr = row_as_float(k.base + (s0 + j) * k.row + h * k.head, kf, kd);
-        for (int64_t g = 0; g < r; ++g) {
-          const float* __restrict qq = q + h * q_head + g * q_row;
-          float d = 0.f;
-#pragma omp simd reduction(+ : d)
-          for (int64_t x = 0; x < kd; ++x) d += qq[x] * kr[x];
-          logits[(h * r + g) * kBlock + j] = d * scale;
-        }
-      }
-    }
-    for (int64_t i = 0; i < queries; ++i) {
-      float* l = logits.data() + i * kBlock;
-      float m = part.peak[i];
-      for (int64_t j = 0; j < n; ++j) m = std::max(m, l[j]);
-      // A row of -inf logits (a query that sees nothing yet) keeps weight 0, not NaN.
-      const float rescale = part.peak[i] == -INFINITY ? 0.f : std::exp(part.peak[i] - m);
-      part.total[i] *= rescale;
-      float* a = part.acc.data() + i * vd;
-      for (int64_t x = 0; x < vd; ++x) a[x] *= rescale;
-      part.peak[i] = m;
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        const float e = m == -INFINITY ? 0.f : std::exp(l[j] - m);
-        l[j] = e;
-        sum += e;
-      }
-      part.total[i] += sum;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* __restrict vr = row_as_float(v.base + (s0 + j) * v.row + h * v.head, vf, vd);
-        for (int64_t g = 0; g < r; ++g) {
-          const float p = logits[(h * r + g) * kBlock + j];
-          float* __restrict a = part.acc.data() + (h * r + g) * vd;
-#pragma omp simd
-          for (int64_t x = 0; x < vd; ++x) a[x] += p * vr[x];
-        }
-      }
-    }
+    // Every head of kRun rows before the next rows: the block streams through
+    // memory in order (head by head over all 64 rows, the hardware prefetchers
+    // fell behind: 8,000 rows from DRAM took 1.1x as long).
+    for (int64_t j = 0; j < n; j += kRun)
+      for (int64_t h = 0; h < heads; ++h)
+        in_passes(r, [&](auto nq, int64_t g) {
+          dots<decltype(nq)::value, KD>(q + h * q_head + g * q_row, q_row, k.base + (s0 + j) * k.row + h * k.head,
+                                        k.row, std::min(kRun, n - j), kd, scale,
+                                        logits.data() + (h * r + g) * kBlock + j);
+        });
+    for (int64_t i = 0; i < queries; ++i)
+      rescale[i] = softmax_block(logits.data() + i * kBlock, n, &part.peak[i], &part.total[i]);
+    for (int64_t j = 0; j < n; j += kRun)
+      for (int64_t h = 0; h < heads; ++h)
+        in_passes(r, [&](auto nq, int64_t g) {
+          const int64_t i = h * r + g;
+          // The earlier rows' factor applies once per block, at its first run.
+          weigh<decltype(nq)::value, VD>(logits.data() + i * kBlock + j, j == 0 ? rescale.data() + i : ones,
+                                         v.base + (s0 + j) * v.row + h * v.head, v.row, std::min(kRun, n - j), vd,
+                                         part.acc.data() + i * vd, vd);
+        });
   }
 }
 

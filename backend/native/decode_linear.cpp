@@ -23,6 +23,7 @@
 
 #include "float16.h"
 #include "shim_view.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -30,10 +31,6 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -44,6 +41,7 @@ namespace {
 using offgraph_kv_native::Bf16;
 using offgraph_kv_native::Half;
 using offgraph_kv_native::widen;
+using namespace offgraph_kv_native::vec;
 
 // ----------------------------------------------------------------------------
 // Scalar narrowing (the output)
@@ -77,74 +75,6 @@ inline void from_float(float x, Half* out) {  // round to nearest even, as torch
     out->x = uint16_t(sign | uint16_t((rounded - (112u << 23)) >> 13));
   }
 }
-
-// ----------------------------------------------------------------------------
-// The vector ISA the program was compiled for (inductor's: AVX-512 or AVX2)
-// ----------------------------------------------------------------------------
-
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vset(float x) { return _mm512_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const Bf16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline Vec vload(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline Vec vload(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-// kLanes packed bytes' low and high nibbles, as floats.
-inline void vnibbles(const uint8_t* p, Vec* lo, Vec* hi) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
-#define OFFGRAPH_KV_VECTOR 1
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kLanes = 8;
-using Vec = __m256;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vset(float x) { return _mm256_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload(const Bf16* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-#ifdef __F16C__
-inline Vec vload(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-#else
-inline Vec vload(const Half* p) {
-  alignas(32) float f[8];
-  for (int i = 0; i < 8; ++i) f[i] = widen(p[i]);
-  return _mm256_load_ps(f);
-}
-#endif
-inline Vec vload(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline void vnibbles(const uint8_t* p, Vec* lo, Vec* hi) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-  *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline float vsum(Vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#define OFFGRAPH_KV_VECTOR 1
-#else
-constexpr int64_t kLanes = 1;
-#endif
 
 constexpr int64_t kBlockRows = 1;           // outputs per pass over the activations (see above)
 constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more than it reads
