@@ -7,10 +7,11 @@ a half of what one core reads here; inductor's own reduction kernel over the
 same weight reads it about twice as fast for one row, but is 3-13x slower for
 64 (``benchmarks/results/cpu_gemv.md``). One program serves both widths, so
 each linear becomes a branch on the step width (``torch.cond``, compiled into
-the code): one row -> inductor's ``sum(x * w)`` or, with
-``OFFGRAPH_KV_CPU_GEMV=kernel``, our kernel (``native/decode_linear.cpp``: each
-weight row streamed once as stored, fp32 accumulation); wider -> ATen's
-``mm`` as before. Nothing is packed or copied: the weight stays the constant
+the code): one row -> inductor's ``sum(x * w)``, or our kernel
+(``native/decode_linear.cpp``: each weight row streamed once as stored, fp32
+accumulation) for a vocabulary-sized projection, where the reduction falls
+behind it (``OFFGRAPH_KV_CPU_GEMV=kernel``: the kernel for every one-row
+linear); wider -> ATen's ``mm`` as before. Nothing is packed or copied: the weight stays the constant
 the ``.pte`` stores.
 
 A linear here is ``linear(x, W[, b])`` (the partitioner keeps ``nn.Linear``
@@ -35,16 +36,21 @@ from offgraph_kv.backend.switches import switch
 from offgraph_kv.backend.width_branch import by_width
 
 ENV_SWITCH = "OFFGRAPH_KV_CPU_GEMV"
-MODES = ("kernel", "reduce", "mm")
+MODES = ("auto", "kernel", "reduce", "mm")
+# In "auto", a one-row linear with at least this many outputs runs our kernel: a vocabulary
+# projection (Llama-2's 32,000 rows to Qwen2's 151,936), where inductor's reduction reads the
+# weight at 0.6x the kernel's speed (576 -> 49,152, bf16, ``benchmarks/results/cpu_gemv_kernel.md``).
+# The decoder layers' linears stay below it (Llama-3-70B's FFN: 28,672) and on the reduction,
+# which is faster than the kernel there.
+KERNEL_FROM_OUTPUTS = 32000
 
 
 def one_row_mode() -> str:
-    """How CPU exports run one-row linears (``OFFGRAPH_KV_CPU_GEMV``): "reduce" (the default:
-    inductor's reduction), "kernel" (our kernel) or "mm" (ATen's GEMM, no branch on the width).
-    The reduction stays the default: in whole SmolLM2 fp32 steps on this AVX2 machine the kernel
-    took 1.07x its time (``benchmarks/results/cpu_decode_gemv_kernel.md``), though it wins on
-    the output projection alone (``cpu_gemv_kernel.md``)."""
-    return switch(ENV_SWITCH, MODES, "reduce")
+    """How CPU exports run one-row linears (``OFFGRAPH_KV_CPU_GEMV``): "auto" (the default: our kernel
+    for a vocabulary-sized projection, inductor's reduction for the rest), "kernel" (our kernel for
+    every dense one-row linear), "reduce" (the reduction for all) or "mm" (ATen's GEMM, no branch on
+    the width). Whole SmolLM2 steps, the modes in turns: ``benchmarks/results/cpu_decode_gemv*.md``."""
+    return switch(ENV_SWITCH, MODES, "auto")
 
 
 def reduction_applies() -> bool:
@@ -55,18 +61,21 @@ def reduction_applies() -> bool:
 KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what native/decode_linear.cpp reads
 
 
-def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2) -> bool:
-    """Whether a one-row linear runs our kernel: the export's mode says so, every weight is a dense
-    row-major tensor as stored, and ``x`` and the first ``floats`` operands are fp32, bf16 or fp16
-    (any other dtype, fp64 say, keeps the reduction)."""
+def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2, outputs: "int | None" = None) -> bool:
+    """Whether a one-row linear runs our kernel: the export's mode says so ("kernel"; "auto" where
+    ``outputs``, the weight's rows, reach ``KERNEL_FROM_OUTPUTS``), every weight is a dense row-major
+    tensor as stored, and ``x`` and the first ``floats`` operands are fp32, bf16 or fp16 (any other
+    dtype, fp64 say, keeps the reduction)."""
+    mode = one_row_mode()
+    wanted = mode == "kernel" or (mode == "auto" and outputs is not None and outputs >= KERNEL_FROM_OUTPUTS)
     dense = all(w.is_contiguous() for w in weights)
     typed = all(t.dtype in KERNEL_FLOATS for t in (x, *weights)[:floats])
-    return one_row_mode() == "kernel" and dense and typed
+    return wanted and dense and typed
 
 
 def _one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # [1, K] x [N, K] -> [1, N]; the products and the sum in fp32 (as a GEMM accumulates).
-    if kernel_takes(x, w):
+    if kernel_takes(x, w, outputs=int(w.shape[0])):
         return torch.ops.offgraph_kv.linear_rows(x, w)
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
 

@@ -32,7 +32,7 @@ from benchmarks.lib.machine import describe, now_utc
 from benchmarks.lib.paths import REPO, RESULTS
 
 EXPORT = REPO / "examples" / "llama" / "export.py"
-MODES = ("mm", "reduce", "kernel")
+MODES = ("mm", "reduce", "kernel", "auto")
 
 
 def export(dtype: str, mode: str, out: Path) -> float:

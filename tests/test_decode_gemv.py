@@ -1,0 +1,78 @@
+"""Which one-row form each CPU linear gets (``backend/decode_gemv.py``): in the
+default mode ("auto") a vocabulary-sized projection runs our kernel and the
+decoder-sized linears inductor's reduction; "kernel" and "reduce" put every
+linear on one of them; and whichever form, one row and many rows give the
+linear's result."""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+
+from offgraph_kv.backend import decode_gemv
+
+VOCAB = decode_gemv.KERNEL_FROM_OUTPUTS  # the smallest output count "auto" sends to the kernel
+
+
+class _Head(torch.nn.Module):
+    """A decoder-sized linear (bias, so addmm) then a vocabulary-sized one just at the threshold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.up = torch.nn.Linear(48, 40)
+        self.out = torch.nn.Linear(40, VOCAB, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.up(x)))
+
+
+def _kernel_calls_per_branch(monkeypatch: pytest.MonkeyPatch, mode: str) -> "tuple[List[int], torch.nn.Module]":
+    monkeypatch.setenv(decode_gemv.ENV_SWITCH, mode)
+    width = torch.export.Dim("t", max=64)
+    model = _Head()
+    program = torch.export.export(model, (torch.randn(3, 48),), dynamic_shapes=({0: width},)).module()
+    assert decode_gemv.use_reductions_for_one_row(program) == 2
+    lowered = torch.export.export(program, (torch.randn(3, 48),), dynamic_shapes=({0: width},), strict=False)
+    calls = []
+    for node in lowered.graph.nodes:
+        if node.target is torch.ops.higher_order.cond:
+            one_row = getattr(lowered.graph_module, node.args[1].target)  # the branch taken at width 1
+            calls.append(sum(n.target is torch.ops.offgraph_kv.linear_rows.default for n in one_row.graph.nodes))
+    return calls, lowered.module()
+
+
+@pytest.mark.parametrize("mode,want", [("auto", [0, 1]), ("kernel", [1, 1]), ("reduce", [0, 0])])
+def test_one_row_linears_take_the_kernel_by_mode_and_output_count(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                                  want: List[int]) -> None:
+    calls, _ = _kernel_calls_per_branch(monkeypatch, mode)
+    assert calls == want  # [decoder-sized, vocabulary-sized]
+
+
+def test_auto_mode_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(decode_gemv.ENV_SWITCH, raising=False)
+    assert decode_gemv.one_row_mode() == "auto"
+
+
+def test_kernel_is_not_taken_for_dtypes_it_does_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(decode_gemv.ENV_SWITCH, "auto")
+    w = torch.zeros(VOCAB, 8, dtype=torch.float64)
+    assert not decode_gemv.kernel_takes(torch.zeros(1, 8, dtype=torch.float64), w, outputs=VOCAB)
+    assert decode_gemv.kernel_takes(torch.zeros(1, 8), w.float(), outputs=VOCAB)
+    assert not decode_gemv.kernel_takes(torch.zeros(1, 8), w.float(), outputs=VOCAB - 1)
+    assert not decode_gemv.kernel_takes(torch.zeros(1, 8), w.float().t().contiguous().t(), outputs=VOCAB)
+
+
+@pytest.mark.parametrize("mode", ["auto", "reduce"])
+def test_lowered_linears_give_the_models_result_for_one_row_and_many(monkeypatch: pytest.MonkeyPatch,
+                                                                       mode: str) -> None:
+    _, lowered = _kernel_calls_per_branch(monkeypatch, mode)
+    model = _Head()
+    for rows in (1, 5):
+        x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(lowered(x), model(x), atol=1e-4, rtol=1e-4)
