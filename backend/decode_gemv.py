@@ -47,9 +47,10 @@ KERNEL_FROM_OUTPUTS = 32000
 
 def one_row_mode() -> str:
     """How CPU exports run one-row linears (``OFFGRAPH_KV_CPU_GEMV``): "auto" (the default: our kernel
-    for a vocabulary-sized projection, inductor's reduction for the rest), "kernel" (our kernel for
-    every dense one-row linear), "reduce" (the reduction for all) or "mm" (ATen's GEMM, no branch on
-    the width). Whole SmolLM2 steps, the modes in turns: ``benchmarks/results/cpu_decode_gemv*.md``."""
+    for a vocabulary-sized float projection and for every int8 / int4 linear, inductor's reduction for
+    the other float linears), "kernel" (our kernel for every one-row linear), "reduce" (the reduction
+    for all) or "mm" (ATen's GEMM, no branch on the width). Whole SmolLM2 steps, the modes in turns:
+    ``benchmarks/results/cpu_decode_gemv_auto.md``."""
     return switch(ENV_SWITCH, MODES, "auto")
 
 
@@ -61,13 +62,13 @@ def reduction_applies() -> bool:
 KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what native/decode_linear.cpp reads
 
 
-def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2, outputs: "int | None" = None) -> bool:
-    """Whether a one-row linear runs our kernel: the export's mode says so ("kernel"; "auto" where
-    ``outputs``, the weight's rows, reach ``KERNEL_FROM_OUTPUTS``), every weight is a dense row-major
-    tensor as stored, and ``x`` and the first ``floats`` operands are fp32, bf16 or fp16 (any other
-    dtype, fp64 say, keeps the reduction)."""
+def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2, in_auto: bool = False) -> bool:
+    """Whether a one-row linear runs our kernel: the export's mode says so ("kernel"; "auto" where the
+    caller says the kernel is the faster form, ``in_auto``), every weight is a dense row-major tensor as
+    stored, and ``x`` and the first ``floats`` operands are fp32, bf16 or fp16 (any other dtype, fp64
+    say, keeps the reduction)."""
     mode = one_row_mode()
-    wanted = mode == "kernel" or (mode == "auto" and outputs is not None and outputs >= KERNEL_FROM_OUTPUTS)
+    wanted = mode == "kernel" or (mode == "auto" and in_auto)
     dense = all(w.is_contiguous() for w in weights)
     typed = all(t.dtype in KERNEL_FLOATS for t in (x, *weights)[:floats])
     return wanted and dense and typed
@@ -75,7 +76,7 @@ def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2, outpu
 
 def _one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # [1, K] x [N, K] -> [1, N]; the products and the sum in fp32 (as a GEMM accumulates).
-    if kernel_takes(x, w, outputs=int(w.shape[0])):
+    if kernel_takes(x, w, in_auto=int(w.shape[0]) >= KERNEL_FROM_OUTPUTS):
         return torch.ops.offgraph_kv.linear_rows(x, w)
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
 

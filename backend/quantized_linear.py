@@ -180,8 +180,9 @@ def _kernel_or(reduction: Callable[..., torch.Tensor], kernel: Callable[..., tor
     def one_row(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, *zero: torch.Tensor) -> torch.Tensor:
         # The kernel reads the stored integers as laid out by pack_int4 / torchao (dense rows), x and
         # the scales as fp32 / bf16 / fp16.
-        # Not in "auto": the quantized forms' kernel is not measured ahead of the reduction at any size.
-        take = kernel_takes(x, scale, qdata, *zero, floats=2)
+        # In "auto" too: SmolLM2 int8 / int4 steps with every linear on the kernel took 0.84-0.94x the
+        # reductions' (benchmarks/results/cpu_decode_gemv_auto.md).
+        take = kernel_takes(x, scale, qdata, *zero, floats=2, in_auto=True)
         return (kernel if take else reduction)(x, qdata, scale, *zero)
     return one_row
 

@@ -1,6 +1,7 @@
 """Which one-row form each CPU linear gets (``backend/decode_gemv.py``): in the
-default mode ("auto") a vocabulary-sized projection runs our kernel and the
-decoder-sized linears inductor's reduction; "kernel" and "reduce" put every
+default mode ("auto") a vocabulary-sized float projection runs our kernel and
+the decoder-sized float linears inductor's reduction (int8 / int4 linears take
+the kernel, ``tests/test_quantized_export.py``); "kernel" and "reduce" put every
 linear on one of them; and whichever form, one row and many rows give the
 linear's result."""
 
@@ -59,13 +60,15 @@ def test_auto_mode_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decode_gemv.one_row_mode() == "auto"
 
 
-def test_kernel_is_not_taken_for_dtypes_it_does_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_is_not_taken_for_dtypes_or_layouts_it_does_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(decode_gemv.ENV_SWITCH, "auto")
-    w = torch.zeros(VOCAB, 8, dtype=torch.float64)
-    assert not decode_gemv.kernel_takes(torch.zeros(1, 8, dtype=torch.float64), w, outputs=VOCAB)
-    assert decode_gemv.kernel_takes(torch.zeros(1, 8), w.float(), outputs=VOCAB)
-    assert not decode_gemv.kernel_takes(torch.zeros(1, 8), w.float(), outputs=VOCAB - 1)
-    assert not decode_gemv.kernel_takes(torch.zeros(1, 8), w.float().t().contiguous().t(), outputs=VOCAB)
+    w = torch.zeros(16, 8)
+    assert decode_gemv.kernel_takes(torch.zeros(1, 8), w, in_auto=True)
+    assert not decode_gemv.kernel_takes(torch.zeros(1, 8), w, in_auto=False)
+    assert not decode_gemv.kernel_takes(torch.zeros(1, 8, dtype=torch.float64), w.double(), in_auto=True)
+    assert not decode_gemv.kernel_takes(torch.zeros(1, 8), w.t().contiguous().t(), in_auto=True)
+    monkeypatch.setenv(decode_gemv.ENV_SWITCH, "reduce")
+    assert not decode_gemv.kernel_takes(torch.zeros(1, 8), w, in_auto=True)
 
 
 @pytest.mark.parametrize("mode", ["auto", "reduce"])

@@ -195,6 +195,11 @@ def test_quantized_ops_are_lowered_to_a_branch_on_the_rows_or_to_the_wide_form_a
     lowered = torch.export.export(program, (torch.randn(3, 96),), dynamic_shapes=({0: width},), strict=False)
     conds = [n for n in lowered.graph.nodes if n.target is torch.ops.higher_order.cond]
     assert len(conds) == (2 if reduce else 0)  # OFFGRAPH_KV_CPU_GEMV=mm: no reductions
+    # The default mode ("auto") runs a quantized one-row step on our kernels (native/decode_linear.cpp).
+    one_row = [getattr(lowered.graph_module, c.args[1].target) for c in conds]
+    called = [{str(n.target) for n in g.graph.nodes if n.op == "call_function"} for g in one_row]
+    assert [any("int8_linear_rows" in t for t in c) for c in called] == ([True, False] if reduce else [])
+    assert [any("int4_linear_rows" in t for t in c) for c in called] == ([False, True] if reduce else [])
     for rows in (1, 5):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(lowered.module()(x), model(x), atol=1e-4, rtol=1e-4)
