@@ -15,10 +15,11 @@ Two ops, for models to call (``examples/llama/quantize.py`` does):
 The backend (``lower_quantized_linears``) replaces every call before
 AOTInductor compiles: on CPU, unless ``OFFGRAPH_KV_CPU_GEMV=mm``, with a branch
 on the step's rows (``torch.cond``, as ``decode_gemv`` does for float
-linears): one row -> one fused inductor reduction over the stored integers
-(with ``OFFGRAPH_KV_CPU_GEMV=kernel``, our kernel, ``native/decode_linear.cpp``;
-either way the weight bytes read once, dequantised in registers, fp32
-accumulation),
+linears): one row -> our kernel, ``native/decode_linear.cpp`` (the default
+mode, and ``=kernel``), or with ``OFFGRAPH_KV_CPU_GEMV=reduce`` one fused
+inductor reduction over the stored integers (either way the weight bytes read
+once, dequantised in registers, fp32 accumulation; where the kernel does not
+take the dtypes, the reduction),
 wider -> what a GEMM needs (int8 in bf16: ATen's int8 GEMM; int8 in fp32:
 the weight dequantised, then ``mm``, torchao's own form; int4: each nibble
 half dequantised, then two ``mm``). Elsewhere the wider form serves every

@@ -8,14 +8,14 @@ carries outside the code:
 
 - ``int8``: one scale per output row (torchao ``Int8WeightOnlyConfig``), run
   as ``offgraph_kv::int8_linear`` (``Int8RowLinear``): on CPU a one-row step is
-  an inductor reduction over the int8 bytes; wider steps use ATen's int8 GEMM
+  the backend's kernel over the int8 bytes; wider steps use ATen's int8 GEMM
   in a bf16 model and torchao's dequantize-and-multiply in an fp32 one (ATen's
   int8 GEMM is scalar for fp32 activations, 12x slower than fp32's matmul);
 - ``int4``: values in [-8, 7] with one scale (and zero point, if torchao made
   one) per ``group_size`` inputs (torchao ``IntxWeightOnlyConfig(weight_dtype=
   torch.int4, PerGroup)``), stored two per byte and run as
   ``offgraph_kv::int4_linear`` (``Int4GroupLinear``): a one-row step unpacks
-  and dequantizes inside one reduction; wider steps dequantize, then ``mm``.
+  and dequantizes inside one kernel; wider steps dequantize, then ``mm``.
 
 ``quantize_model(..., torchao_only=True)`` stops after torchao: the eager
 reference the compiled program is checked against (``run.py --check``).
