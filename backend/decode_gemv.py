@@ -11,8 +11,8 @@ the code): one row -> inductor's ``sum(x * w)``, or our kernel
 (``native/decode_linear.cpp``: each weight row streamed once as stored, fp32
 accumulation) for a vocabulary-sized projection, where the reduction falls
 behind it (``OFFGRAPH_KV_CPU_GEMV=kernel``: the kernel for every one-row
-linear); wider -> ATen's ``mm`` as before. Nothing is packed or copied: the weight stays the constant
-the ``.pte`` stores.
+linear); wider -> ATen's ``mm`` as before. Nothing is packed or copied: the
+weight stays the constant the ``.pte`` stores.
 
 A linear here is ``linear(x, W[, b])`` (the partitioner keeps ``nn.Linear``
 whole), ``mm(x, permute(W, [1, 0]))`` or ``addmm(b, x, permute(W, [1, 0]))``,

@@ -114,8 +114,8 @@ void dots(const float* q, int64_t q_row, const T* k, int64_t k_row, int64_t n, i
 }
 
 // acc_g = acc_g * rescale[g] + sum_j p[g * kBlock + j] v_j for NQ queries (each
-// acc d wide, dense) and n value rows: a register of every query's acc stays
-// put while the rows stream past it.
+// acc d wide, dense) and n value rows (rescale null: acc_g is taken as it is):
+// a register of every query's acc stays put while the rows stream past it.
 template <int NQ, int64_t D, typename T>
 void weigh(const float* p, const float* rescale, const T* v, int64_t v_row, int64_t n, int64_t d_rt, float* acc,
            int64_t acc_row) {
@@ -124,7 +124,8 @@ void weigh(const float* p, const float* rescale, const T* v, int64_t v_row, int6
 #ifdef OFFGRAPH_KV_VECTOR
   for (const int64_t dv = d / kLanes * kLanes; x < dv; x += kLanes) {
     Vec a[NQ];
-    for (int g = 0; g < NQ; ++g) a[g] = vmul(vload(acc + g * acc_row + x), vset(rescale[g]));
+    for (int g = 0; g < NQ; ++g)
+      a[g] = rescale ? vmul(vload(acc + g * acc_row + x), vset(rescale[g])) : vload(acc + g * acc_row + x);
     for (int64_t j = 0; j < n; ++j) {
       const Vec vv = vload(v + j * v_row + x);
       for (int g = 0; g < NQ; ++g) a[g] = vfma(vset(p[g * kBlock + j]), vv, a[g]);
@@ -134,7 +135,7 @@ void weigh(const float* p, const float* rescale, const T* v, int64_t v_row, int6
 #endif
   // The elements past the vector loop (all of them without a vector ISA), row by row.
   if (x == d) return;
-  for (int g = 0; g < NQ; ++g)
+  for (int g = 0; rescale && g < NQ; ++g)
     for (int64_t e = x; e < d; ++e) acc[g * acc_row + e] *= rescale[g];
   for (int64_t j = 0; j < n; ++j) {
     const T* __restrict vr = v + j * v_row;
@@ -205,12 +206,10 @@ inline float softmax_block(float* l, int64_t n, float* peak, float* total) {
 // (head stride q_head, row stride q_row, elements dense). KD / VD fix the head
 // dims at compile time (0: read kd / vd), so the common ones are fixed-length loops.
 template <typename T, int64_t KD, int64_t VD>
-void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, int64_t r, int64_t kd_rt,
-                 int64_t vd_rt, Rows<T> k, Rows<T> v, int64_t begin, int64_t end, float scale, Partial& part) {
-  const int64_t kd = kd_rt, vd = vd_rt, queries = heads * r;
+void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, int64_t r, int64_t kd, int64_t vd,
+                 Rows<T> k, Rows<T> v, int64_t begin, int64_t end, float scale, Partial& part) {
+  const int64_t queries = heads * r;
   std::vector<float> logits(queries * kBlock), rescale(queries);
-  float ones[kQueriesPerPass];
-  std::fill(ones, ones + kQueriesPerPass, 1.f);
   for (int64_t s0 = begin; s0 < end; s0 += kBlock) {
     const int64_t n = std::min(kBlock, end - s0);
     // Every head of kRun rows before the next rows: the block streams through
@@ -230,7 +229,7 @@ void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, i
         in_passes(r, [&](auto nq, int64_t g) {
           const int64_t i = h * r + g;
           // The earlier rows' factor applies once per block, at its first run.
-          weigh<decltype(nq)::value, VD>(logits.data() + i * kBlock + j, j == 0 ? rescale.data() + i : ones,
+          weigh<decltype(nq)::value, VD>(logits.data() + i * kBlock + j, j == 0 ? rescale.data() + i : nullptr,
                                          v.base + (s0 + j) * v.row + h * v.head, v.row, std::min(kRun, n - j), vd,
                                          part.acc.data() + i * vd, vd);
         });
