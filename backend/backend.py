@@ -226,7 +226,7 @@ class OffGraphKVBackend(BackendDetails):
         program = edge_to_aten(edge_program.module())
         reduce = device == "cpu" and decode_gemv.reduction_applies()
         # Quantized-linear ops never reach AOTInductor as calls (it would need them registered at run time).
-        quantized_linear.lower_quantized_linears(program, reduce=reduce)
+        quantized_linear.lower_quantized_linears(program, reduce=reduce, cpu=device == "cpu")
         if reduce:
             decode_gemv.use_reductions_for_one_row(program)
         bind_private_tensors(program)

@@ -2,7 +2,8 @@
 rows, and the decode linears over the stored weights.
 
 The ops (``offgraph_kv::rows_attend_with_lse``, ``linear_rows``,
-``int8_linear_rows``, ``int4_linear_rows``, ``int4z_linear_rows``) stay whole
+``int8_linear_rows``, ``int4_linear_rows``, ``int4z_linear_rows``,
+``int4_da8_linear_rows``) stay whole
 through export. AOTInductor then calls each as a C function
 (``aot_inductor.custom_ops_to_c_shims``), whose code (``native/*.cpp``) is
 compiled here with the ISA flags of inductor's own kernels and linked into the
@@ -23,8 +24,10 @@ from typing import Dict, List
 
 import torch
 
-SOURCES = tuple(Path(__file__).parent / "native" / n for n in ("decode_attention.cpp", "decode_linear.cpp"))
-HEADERS = tuple(Path(__file__).parent / "native" / n for n in ("float16.h", "shim_view.h", "vec.h"))  # included besides torch's
+SOURCES = tuple(Path(__file__).parent / "native" / n
+                for n in ("decode_attention.cpp", "decode_linear.cpp", "dynamic_int4_linear.cpp"))
+HEADERS = tuple(Path(__file__).parent / "native" / n
+                for n in ("float16.h", "linear_call.h", "shim_view.h", "vec.h"))  # included besides torch's
 
 _LIB = torch.library.Library("offgraph_kv", "FRAGMENT")
 _LIB.define("rows_attend_with_lse(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
@@ -33,6 +36,8 @@ _LIB.define("linear_rows(Tensor x, Tensor w) -> Tensor")
 _LIB.define("int8_linear_rows(Tensor x, Tensor qdata, Tensor scale) -> Tensor")
 _LIB.define("int4_linear_rows(Tensor x, Tensor packed, Tensor scale) -> Tensor")
 _LIB.define("int4z_linear_rows(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor")
+# int8 dynamic activations x int4 weights in tiles (quantized_linear.pack_int4_tiles), any row count.
+_LIB.define("int4_da8_linear_rows(Tensor x, Tensor packed, Tensor scale, Tensor rowsum) -> Tensor")
 
 # The C declaration of each op that AOTInductor's generated code calls (outputs returned as new handles).
 _H = "AtenTensorHandle"
@@ -45,6 +50,8 @@ C_SHIMS = {
                         f"{_H}* ret0)",
     "int4z_linear_rows": f"AOTITorchError aoti_torch_cpu_int4z_linear_rows({_H} x, {_H} packed, {_H} scale, "
                          f"{_H} zero, {_H}* ret0)",
+    "int4_da8_linear_rows": f"AOTITorchError aoti_torch_cpu_int4_da8_linear_rows({_H} x, {_H} packed, "
+                            f"{_H} scale, {_H} rowsum, {_H}* ret0)",
 }
 
 
@@ -94,8 +101,16 @@ def _int4z_rows_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     return int4_one_row(x, packed, scale, zero)
 
 
+def _int4_da8_rows_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                             rowsum: torch.Tensor) -> torch.Tensor:
+    from offgraph_kv.backend.quantized_linear import int4_da8_integer_rows
+
+    return int4_da8_integer_rows(x, packed, scale, rowsum)
+
+
 for _name, _ref in (("linear_rows", _linear_rows_reference), ("int8_linear_rows", _int8_rows_reference),
-                    ("int4_linear_rows", _int4_rows_reference), ("int4z_linear_rows", _int4z_rows_reference)):
+                    ("int4_linear_rows", _int4_rows_reference), ("int4z_linear_rows", _int4z_rows_reference),
+                    ("int4_da8_linear_rows", _int4_da8_rows_reference)):
     _LIB.impl(_name, _ref, "CompositeExplicitAutograd")
 
 
@@ -107,6 +122,7 @@ torch.library.register_fake("offgraph_kv::linear_rows")(lambda x, w: _rows_out(x
 torch.library.register_fake("offgraph_kv::int8_linear_rows")(lambda x, q, s: _rows_out(x, q.shape[0]))
 torch.library.register_fake("offgraph_kv::int4_linear_rows")(lambda x, p, s: _rows_out(x, p.shape[0]))
 torch.library.register_fake("offgraph_kv::int4z_linear_rows")(lambda x, p, s, z: _rows_out(x, p.shape[0]))
+torch.library.register_fake("offgraph_kv::int4_da8_linear_rows")(lambda x, p, s, r: _rows_out(x, r.shape[0]))
 
 
 def shim_options() -> Dict[str, object]:

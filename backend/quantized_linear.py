@@ -1,6 +1,6 @@
-"""Weight-only quantized linears as ops the backend lowers per step width.
+"""Quantized linears as ops the backend lowers per step width.
 
-Two ops, for models to call (``examples/llama/quantize.py`` does):
+Three ops, for models to call (``examples/llama/quantize.py`` does):
 
 - ``offgraph_kv::int8_linear(x, qdata, scale)``: ``qdata [N, K]`` int8, one
   scale per output row (``scale [N]``, the activations' dtype);
@@ -10,7 +10,13 @@ Two ops, for models to call (``examples/llama/quantize.py`` does):
   ``j + G/2`` in the high one (llama.cpp's Q4_0 order: both halves of a byte
   meet contiguous inputs, so no interleaving is needed); ``scale [N, K/G]``;
   ``zero`` (int8 ``[N, K/G]``, or None for symmetric) is subtracted first:
-  ``w = (q - zero) * scale``, torchao's dequantisation.
+  ``w = (q - zero) * scale``, torchao's dequantisation;
+- ``offgraph_kv::int4_da8_linear(x, packed, scale, rowsum)``: int8 dynamic
+  activations (per token, asymmetric) x symmetric int4 weights in groups,
+  torchao's ``Int8DynamicActivationIntxWeightConfig`` ("8da4w"), the weights in
+  tiles of 16 outputs x 8 inputs (``pack_int4_tiles``) for an integer dot
+  kernel; on CPU every width runs ``native/dynamic_int4_linear.cpp``, elsewhere
+  torchao's own form (activations quantized and dequantized, then ``mm``).
 
 The backend (``lower_quantized_linears``) replaces every call before
 AOTInductor compiles: on CPU, unless ``OFFGRAPH_KV_CPU_GEMV=mm``, with a branch
@@ -37,7 +43,7 @@ int16 ops fell back to scalar code, 472 us).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import fx
@@ -69,8 +75,85 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return q.reshape(n, groups * 2 * half).to(torch.int8)
 
 
+TILE_ROWS, TILE_INPUTS = 16, 8  # native/dynamic_int4_linear.cpp's tile
+
+
+def pack_int4_tiles(qdata: torch.Tensor, scale: torch.Tensor,
+                    group_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[N, K]`` int8 in [-8, 7] and ``scale [N, K/G]`` -> the int4_da8 kernel's ``packed [B, K/8, 64]``
+    uint8, ``scale [B, K/G, 16]`` and ``rowsum [N]`` fp32 (B = N/16 rounded up; the layout is
+    ``native/dynamic_int4_linear.cpp``'s): byte ``4r + j`` of tile ``(b, t)`` holds ``q + 8`` of output
+    ``16b + r`` at input ``8t + j`` (low nibble) and ``8t + 4 + j`` (high nibble)."""
+    n, k = qdata.shape
+    if group_size % TILE_INPUTS or k % group_size:
+        raise ValueError(f"int4 tiles need a group size that is a multiple of {TILE_INPUTS} and divides {k}, "
+                         f"got {group_size}")
+    if tuple(scale.shape) != (n, k // group_size):
+        raise ValueError(f"int4 tiles: scale has shape {tuple(scale.shape)}, expected {(n, k // group_size)}")
+    if qdata.numel() and (int(qdata.min()) < -8 or int(qdata.max()) > 7):
+        raise ValueError("int4 packing: values outside [-8, 7]")
+    blocks = -(-n // TILE_ROWS)
+    pad = blocks * TILE_ROWS - n
+    u = torch.nn.functional.pad(qdata.to(torch.int16) + 8, (0, 0, 0, pad), value=8).to(torch.uint8)
+    u = u.view(blocks, TILE_ROWS, k // TILE_INPUTS, 2, 4).permute(0, 2, 1, 3, 4)  # [B, K/8, 16, lo|hi, 4]
+    packed = (u[..., 0, :] | (u[..., 1, :] << 4)).reshape(blocks, k // TILE_INPUTS, TILE_ROWS * 4).contiguous()
+    tiled_scale = torch.nn.functional.pad(scale, (0, 0, 0, pad)).view(blocks, TILE_ROWS, -1)
+    rowsum = (qdata.double() * scale.double().repeat_interleave(group_size, dim=1)).sum(1).float()
+    tiled_scale = tiled_scale.transpose(1, 2)
+    # Row-major strides even where a dim is 1 (AOTInductor checks a weight's strides exactly).
+    return packed, torch.empty(tiled_scale.shape, dtype=scale.dtype).copy_(tiled_scale), rowsum
+
+
+def unpack_int4_tiles(packed: torch.Tensor, outputs: int) -> torch.Tensor:
+    """Inverse of ``pack_int4_tiles``' packing: ``[B, K/8, 64]`` uint8 -> ``[outputs, K]`` int8."""
+    blocks, tiles, _ = packed.shape
+    p = packed.to(torch.int16).view(blocks, tiles, TILE_ROWS, 4)
+    q = torch.stack([p & 15, p >> 4], dim=3) - 8  # [B, K/8, 16, 2, 4]
+    return q.permute(0, 2, 1, 3, 4).reshape(blocks * TILE_ROWS, tiles * TILE_INPUTS)[:outputs].to(torch.int8)
+
+
+def quantize_per_token(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchao's per-token asymmetric int8 quantization of ``x [R, K]`` (``choose_qparams_affine`` then
+    ``quantize_affine``, each op in ``x``'s dtype): ``(xq int8 [R, K], scale [R] x's dtype, zero int32 [R])``."""
+    lo = torch.clamp(x.amin(-1), max=0.0)
+    hi = torch.clamp(x.amax(-1), min=0.0)
+    scale = torch.clamp((hi - lo) / 255.0, min=torch.finfo(x.dtype).smallest_normal)
+    zero = torch.clamp(-128 - torch.round(lo / scale), -128, 127)
+    xq = torch.clamp(torch.round(x * (1.0 / scale).unsqueeze(-1)) + zero.unsqueeze(-1), -128, 127)
+    return xq.to(torch.int8), scale, zero.to(torch.int32)
+
+
+def int4_da8_integer_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          rowsum: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in torch: the integer dot per group (exact, in fp64), then
+    ``sx * (sum_g scale * dot_g - zero * rowsum)`` in fp32, in ``x``'s dtype."""
+    n = rowsum.shape[0]
+    xq, sx, zero = quantize_per_token(x)
+    q = unpack_int4_tiles(packed, n).double()  # [N, K]
+    blocks, groups, _ = scale.shape
+    g = q.shape[1] // groups
+    dots = torch.einsum("rgi,ngi->rng", xq.double().view(-1, groups, g), q.view(n, groups, g)).float()
+    s = scale.transpose(1, 2).reshape(blocks * TILE_ROWS, groups)[:n].float()
+    y = (dots * s).sum(-1) - zero.float().unsqueeze(-1) * rowsum
+    return (sx.float().unsqueeze(-1) * y).to(x.dtype)
+
+
+def int4_da8_torchao_form(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          rowsum: torch.Tensor) -> torch.Tensor:
+    """torchao's own computation of the same linear: activations quantized and dequantized in their
+    dtype, the weight dequantized in it, then ``mm`` (``x [R, K]``)."""
+    n = rowsum.shape[0]
+    xq, sx, zero = quantize_per_token(x)
+    xd = ((xq.to(torch.int32) - zero.unsqueeze(-1)).to(x.dtype) * sx.unsqueeze(-1))
+    blocks, groups, _ = scale.shape
+    q = unpack_int4_tiles(packed, n)
+    s = scale.transpose(1, 2).reshape(blocks * TILE_ROWS, groups)[:n]
+    w = (q.view(n, groups, -1).to(x.dtype) * s.to(x.dtype).unsqueeze(-1)).reshape(n, -1)
+    return torch.mm(xd, w.t())
+
+
 # --------------------------------------------------------------------------- #
-# The two forms of each op
+# The forms of each op
 # --------------------------------------------------------------------------- #
 
 
@@ -169,6 +252,17 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
+@torch.library.custom_op("offgraph_kv::int4_da8_linear", mutates_args=())
+def int4_da8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rowsum: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return int4_da8_torchao_form(rows, packed, scale, rowsum).reshape(*x.shape[:-1], rowsum.shape[0])
+
+
+@int4_da8_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rowsum: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], rowsum.shape[0])
+
+
 # --------------------------------------------------------------------------- #
 # Lowering
 # --------------------------------------------------------------------------- #
@@ -203,9 +297,26 @@ def _without_zero(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
     return lambda x, packed, scale: fn(x, packed, scale, None)
 
 
-def lower_quantized_linears(program: fx.GraphModule, reduce: bool) -> int:
+def _da8_on(cpu: bool) -> Callable[..., torch.Tensor]:
+    """The int4_da8 lowering: our kernel for every width on CPU (where it takes ``x``'s dtype), else
+    torchao's form."""
+    from offgraph_kv.backend.decode_gemv import KERNEL_FLOATS
+
+    def call(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rowsum: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)
+        if cpu and x.dtype in KERNEL_FLOATS and scale.dtype in KERNEL_FLOATS:
+            out = torch.ops.offgraph_kv.int4_da8_linear_rows(rows, packed, scale, rowsum)
+        else:
+            out = int4_da8_torchao_form(rows, packed, scale, rowsum)
+        return out.reshape(*lead, out.shape[-1])
+    return call
+
+
+def lower_quantized_linears(program: fx.GraphModule, reduce: bool, cpu: bool = False) -> int:
     """Replace every quantized-linear op of ``program`` (in place) by its lowering; returns how many.
-    ``reduce``: one-row steps as reductions (CPU), else the wider form for every width."""
+    ``reduce``: one-row steps as reductions (CPU), else the wider form for every width; ``cpu``:
+    the program runs on CPU (the int8-activation kernel serves every width there)."""
     count = 0
     for node in list(program.graph.nodes):
         if node.op != "call_function":
@@ -223,6 +334,8 @@ def lower_quantized_linears(program: fx.GraphModule, reduce: bool) -> int:
             else:
                 one = _kernel_or(int4_one_row, ops.int4z_linear_rows)
                 fn, args = _by_width(one, int4_many_rows, reduce), (x, packed, scale, zero)
+        elif node.target is ops.int4_da8_linear.default:
+            fn, args = _da8_on(cpu), tuple(node.args)
         else:
             continue
         with program.graph.inserting_before(node):

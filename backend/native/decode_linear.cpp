@@ -20,6 +20,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #include "float16.h"
+#include "linear_call.h"
 #include "shim_view.h"
 #include "vec.h"
 
@@ -38,41 +39,9 @@ namespace {
 
 using offgraph_kv_native::Bf16;
 using offgraph_kv_native::Half;
+using offgraph_kv_native::from_float;
 using offgraph_kv_native::widen;
 using namespace offgraph_kv_native::vec;
-
-// ----------------------------------------------------------------------------
-// Scalar narrowing (the output)
-// ----------------------------------------------------------------------------
-
-inline void from_float(float x, float* out) { *out = x; }
-inline void from_float(float x, Bf16* out) {  // round to nearest even, as torch's cast
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  if (std::isnan(x)) {
-    out->x = uint16_t((bits >> 16) | 0x40);
-    return;
-  }
-  out->x = uint16_t((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-inline void from_float(float x, Half* out) {  // round to nearest even, as torch's cast
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  const uint16_t sign = uint16_t((bits >> 16) & 0x8000);
-  const float a = std::fabs(x);
-  if (std::isnan(x)) {
-    out->x = uint16_t(sign | 0x7e00);
-  } else if (a >= 65520.f) {  // rounds past the largest half
-    out->x = uint16_t(sign | 0x7c00);
-  } else if (a < 6.103515625e-05f) {  // subnormal half: a multiple of 2^-24, rounded to even
-    out->x = uint16_t(sign | uint16_t(std::nearbyint(a * 16777216.f)));
-  } else {
-    uint32_t m;
-    std::memcpy(&m, &a, 4);
-    const uint32_t rounded = m + 0xfffu + ((m >> 13) & 1u);
-    out->x = uint16_t(sign | uint16_t((rounded - (112u << 23)) >> 13));
-  }
-}
 
 // Outputs per pass over the activations (see above): on AVX-512 (an Intel Xeon,
 // 2026-12-02) four rows side by side took 0.85-0.98x one row's time, per shape;
@@ -223,49 +192,13 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
 // The C boundary
 // ----------------------------------------------------------------------------
 
+using offgraph_kv_native::activations;
+using offgraph_kv_native::contiguous;
+using offgraph_kv_native::finish;
+using offgraph_kv_native::guarded;
 using offgraph_kv_native::View;
 using offgraph_kv_native::view_of;
-
-bool contiguous(const View& v) {
-  int64_t expect = 1;
-  for (int64_t d = v.dims - 1; d >= 0; --d) {
-    if (v.sizes[d] != 1 && v.strides[d] != expect) return false;
-    expect *= v.sizes[d];
-  }
-  return true;
-}
-
-// The activations [R, K] (any strides: they are read once, into fp32) and a new output [R, N] of their dtype.
-bool activations(AtenTensorHandle x, int64_t k, int64_t n, View* xv, AtenTensorHandle* out, void** out_data) {
-  if (!view_of(x, 2, xv) || xv->sizes[1] != k || xv->sizes[0] < 0) return false;
-  const int64_t sizes[2] = {xv->sizes[0], n}, strides[2] = {n, 1};
-  if (aoti_torch_empty_strided(2, sizes, strides, xv->dtype, aoti_torch_device_type_cpu(), 0, out)) return false;
-  if (aoti_torch_get_data_ptr(*out, out_data)) {
-    aoti_torch_delete_tensor_object(*out);
-    return false;
-  }
-  return true;
-}
-
-// Calls fn with the activations' element type (fp32, bf16 or fp16); false for any other.
-template <typename Fn>
-bool with_float_type(int32_t dtype, Fn&& fn) {
-  if (dtype == aoti_torch_dtype_float32()) return fn(float{}), true;
-  if (dtype == aoti_torch_dtype_bfloat16()) return fn(Bf16{}), true;
-  if (dtype == aoti_torch_dtype_float16()) return fn(Half{}), true;
-  return false;
-}
-
-// One result for every entry point: the output on success, nothing on failure
-// (the generated code then fails the step).
-AOTITorchError finish(bool ok, AtenTensorHandle out, AtenTensorHandle* ret) {
-  if (!ok) {
-    if (out) aoti_torch_delete_tensor_object(out);
-    return AOTI_TORCH_FAILURE;
-  }
-  *ret = out;
-  return AOTI_TORCH_SUCCESS;
-}
+using offgraph_kv_native::with_float_type;
 
 AOTITorchError dense_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret) {
   View wv, xv;
@@ -336,16 +269,6 @@ AOTITorchError int4_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTens
     });
   });
   return finish(ok, out, ret);
-}
-
-// No exception crosses the C boundary (a failed allocation fails the step instead).
-template <typename Fn>
-AOTITorchError guarded(Fn&& fn) {
-  try {
-    return fn();
-  } catch (...) {
-    return AOTI_TORCH_FAILURE;
-  }
 }
 
 }  // namespace
