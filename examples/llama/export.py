@@ -59,8 +59,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                      help="cast weights (default: bf16 where the device computes bf16 natively, else fp32; "
                           "the toy model: fp32)")
     src.add_argument("--quantize", choices=SCHEMES,
-                     help="weight-only quantization of every linear layer through torchao (examples/llama/quantize.py)")
-    src.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="inputs per int4 scale")
+                     help="quantization of every linear layer through torchao: int8 / int4 weight-only, 8da4w int8 dynamic "
+                          "activations x int4 weights (examples/llama/quantize.py)")
+    src.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="inputs per int4 scale (int4, 8da4w)")
     src.add_argument("--tokenizer", help="tokenizer to record in the sidecar (default: found next to the checkpoint)")
     toy = p.add_argument_group("toy model shape (with --tiny)")
     defaults = ModelArgs()

@@ -1,7 +1,7 @@
-"""Weight-only quantization of the example model through torchao, before export.
+"""Quantization of the example model's linears through torchao, before export.
 
-Both schemes keep activations in the model's dtype and quantize every
-``nn.Linear`` weight (the token embedding stays as it is) with torchao, then
+Every scheme quantizes every ``nn.Linear`` weight (the token embedding stays
+as it is) with torchao, then
 hand each quantized linear to the backend's quantized-linear ops
 (``offgraph_kv/backend/quantized_linear.py``), whose integers are what the .pte
 carries outside the code:
@@ -15,7 +15,17 @@ carries outside the code:
   one) per ``group_size`` inputs (torchao ``IntxWeightOnlyConfig(weight_dtype=
   torch.int4, PerGroup)``), stored two per byte and run as
   ``offgraph_kv::int4_linear`` (``Int4GroupLinear``): a one-row step unpacks
-  and dequantizes inside one kernel; wider steps dequantize, then ``mm``.
+  and dequantizes inside one kernel; wider steps dequantize, then ``mm``;
+- ``8da4w``: int8 dynamic activations, quantized per token, with symmetric
+  int4 weights in groups (torchao ``Int8DynamicActivationIntxWeightConfig(
+  weight_dtype=torch.int4, PerGroup)``, ExecuTorch's usual scheme for LLMs on
+  CPU), run as ``offgraph_kv::int4_da8_linear`` (``Int4DynamicLinear``): on CPU
+  every step width is one integer-dot kernel over the weights in tiles, as
+  llama.cpp's Q4_0 dots its int8-quantized activations.
+
+``int8`` and ``int4`` keep the activations in the model's dtype (weight-only);
+``8da4w`` changes the arithmetic (activations rounded to 8 bits), which is
+what buys its speed on CPU.
 
 ``quantize_model(..., torchao_only=True)`` stops after torchao: the eager
 reference the compiled program is checked against (``run.py --check``).
@@ -32,9 +42,10 @@ from typing import Dict, Optional
 
 import torch
 
-from offgraph_kv.backend.quantized_linear import pack_int4  # also registers the offgraph_kv:: ops
+from offgraph_kv.backend.quantized_linear import pack_int4, pack_int4_tiles  # also registers the offgraph_kv:: ops
 
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4", "8da4w")
+GROUPED = ("int4", "8da4w")  # the schemes with a group size
 DEFAULT_GROUP_SIZE = 32
 
 
@@ -46,26 +57,32 @@ def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: in
         return None
     if scheme not in SCHEMES:
         raise ValueError(f"quantize: unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
-    from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, quantize_
+    from torchao.quantization import (Int8DynamicActivationIntxWeightConfig, Int8WeightOnlyConfig,
+                                      IntxWeightOnlyConfig, quantize_)
     from torchao.quantization.granularity import PerGroup
 
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     if not linears:
         raise ValueError("quantize: the model has no nn.Linear to quantize")
-    if scheme == "int4":
-        if group_size < 2 or group_size % 2:
-            raise ValueError(f"quantize int4: group size must be even (two values a byte), got {group_size}")
+    if scheme in GROUPED:
+        step = 8 if scheme == "8da4w" else 2  # the kernel's tile of 8 inputs; two values a byte
+        if group_size < step or group_size % step:
+            raise ValueError(f"quantize {scheme}: group size must be a multiple of {step}, got {group_size}")
         bad = [f"{name} ({m.in_features} inputs)" for name, m in linears.items() if m.in_features % group_size]
         if bad:
-            raise ValueError(f"quantize int4: group size {group_size} does not divide the inputs of "
+            raise ValueError(f"quantize {scheme}: group size {group_size} does not divide the inputs of "
                              f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
-        config = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+        if scheme == "int4":
+            config = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
+        else:
+            config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+                                                           weight_granularity=PerGroup(group_size))
     else:
         config = Int8WeightOnlyConfig()
     quantize_(model, config)
     if not torchao_only:
         _use_backend_ops(model, scheme, group_size)
-    return {"scheme": scheme, "group_size": group_size if scheme == "int4" else None,
+    return {"scheme": scheme, "group_size": group_size if scheme in GROUPED else None,
             "linears": len(linears), "torchao": importlib.metadata.version("torchao")}
 
 
@@ -117,6 +134,23 @@ class Int4GroupLinear(_BackendLinear):
         return torch.ops.offgraph_kv.int4_linear(x, self.packed, self.scale, self.zero)
 
 
+class Int4DynamicLinear(_BackendLinear):
+    """A torchao 8da4w linear as ``offgraph_kv::int4_da8_linear``: the int4 values in the kernel's
+    tiles (``pack_int4_tiles``), their scales beside them, and each output row's dequantized sum (the
+    activations' zero point meets it once per row, not once per weight)."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, group_size: int,
+                 bias: Optional[torch.Tensor]) -> None:
+        super().__init__(qdata, bias)
+        packed, tiled_scale, rowsum = pack_int4_tiles(qdata, scale.reshape(self.out_features, -1), group_size)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", tiled_scale)
+        self.register_buffer("rowsum", rowsum)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.offgraph_kv.int4_da8_linear(x, self.packed, self.scale, self.rowsum)
+
+
 def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> None:
     """Swap every linear torchao quantized for the backend op's module of the same values."""
     for parent in list(model.modules()):
@@ -133,9 +167,16 @@ def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> No
                 setattr(parent, name, Int8RowLinear(w.qdata, w.scale.to(act), child.bias))
             else:
                 if tuple(w.block_size) != (1, group_size):
-                    raise ValueError(f"quantize int4: {name} has blocks {tuple(w.block_size)}, not (1, {group_size})")
-                setattr(parent, name, Int4GroupLinear(w.qdata, w.scale.to(act), zero if nonzero else None,
-                                                      group_size, child.bias))
+                    raise ValueError(f"quantize {scheme}: {name} has blocks {tuple(w.block_size)}, "
+                                     f"not (1, {group_size})")
+                if scheme == "int4":
+                    setattr(parent, name, Int4GroupLinear(w.qdata, w.scale.to(act), zero if nonzero else None,
+                                                          group_size, child.bias))
+                elif nonzero:
+                    raise ValueError(f"quantize 8da4w: {name} has nonzero zero points; the kernel's weights are "
+                                     "symmetric")
+                else:
+                    setattr(parent, name, Int4DynamicLinear(w.qdata, w.scale.to(act), group_size, child.bias))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
