@@ -3,7 +3,7 @@ rows, and the decode linears over the stored weights.
 
 The ops (``offgraph_kv::rows_attend_with_lse``, ``linear_rows``,
 ``int8_linear_rows``, ``int4_linear_rows``, ``int4z_linear_rows``,
-``int4_da8_linear_rows``) stay whole
+``int4_da8_linear_rows``, ``int8_da8_linear_rows``) stay whole
 through export. AOTInductor then calls each as a C function
 (``aot_inductor.custom_ops_to_c_shims``), whose code (``native/*.cpp``) is
 compiled here with the ISA flags of inductor's own kernels and linked into the
@@ -25,7 +25,7 @@ from typing import Dict, List
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "native" / n
-                for n in ("decode_attention.cpp", "decode_linear.cpp", "dynamic_int4_linear.cpp"))
+                for n in ("decode_attention.cpp", "decode_linear.cpp", "dynamic_linear.cpp"))
 HEADERS = tuple(Path(__file__).parent / "native" / n
                 for n in ("float16.h", "linear_call.h", "shim_view.h", "vec.h"))  # included besides torch's
 
@@ -36,8 +36,10 @@ _LIB.define("linear_rows(Tensor x, Tensor w) -> Tensor")
 _LIB.define("int8_linear_rows(Tensor x, Tensor qdata, Tensor scale) -> Tensor")
 _LIB.define("int4_linear_rows(Tensor x, Tensor packed, Tensor scale) -> Tensor")
 _LIB.define("int4z_linear_rows(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor")
-# int8 dynamic activations x int4 weights in tiles (quantized_linear.pack_int4_tiles), any row count.
+# int8 dynamic activations x int4 / int8 weights in tiles (quantized_linear.pack_int4_tiles /
+# pack_int8_tiles), any row count.
 _LIB.define("int4_da8_linear_rows(Tensor x, Tensor packed, Tensor scale, Tensor rowsum) -> Tensor")
+_LIB.define("int8_da8_linear_rows(Tensor x, Tensor packed, Tensor scale, Tensor wsum) -> Tensor")
 
 # The C declaration of each op that AOTInductor's generated code calls (outputs returned as new handles).
 _H = "AtenTensorHandle"
@@ -52,6 +54,8 @@ C_SHIMS = {
                          f"{_H} zero, {_H}* ret0)",
     "int4_da8_linear_rows": f"AOTITorchError aoti_torch_cpu_int4_da8_linear_rows({_H} x, {_H} packed, "
                             f"{_H} scale, {_H} rowsum, {_H}* ret0)",
+    "int8_da8_linear_rows": f"AOTITorchError aoti_torch_cpu_int8_da8_linear_rows({_H} x, {_H} packed, "
+                            f"{_H} scale, {_H} wsum, {_H}* ret0)",
 }
 
 
@@ -108,9 +112,17 @@ def _int4_da8_rows_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch
     return int4_da8_integer_rows(x, packed, scale, rowsum)
 
 
+def _int8_da8_rows_reference(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                             wsum: torch.Tensor) -> torch.Tensor:
+    from offgraph_kv.backend.quantized_linear import int8_da8_integer_rows
+
+    return int8_da8_integer_rows(x, packed, scale, wsum)
+
+
 for _name, _ref in (("linear_rows", _linear_rows_reference), ("int8_linear_rows", _int8_rows_reference),
                     ("int4_linear_rows", _int4_rows_reference), ("int4z_linear_rows", _int4z_rows_reference),
-                    ("int4_da8_linear_rows", _int4_da8_rows_reference)):
+                    ("int4_da8_linear_rows", _int4_da8_rows_reference),
+                    ("int8_da8_linear_rows", _int8_da8_rows_reference)):
     _LIB.impl(_name, _ref, "CompositeExplicitAutograd")
 
 
@@ -123,6 +135,7 @@ torch.library.register_fake("offgraph_kv::int8_linear_rows")(lambda x, q, s: _ro
 torch.library.register_fake("offgraph_kv::int4_linear_rows")(lambda x, p, s: _rows_out(x, p.shape[0]))
 torch.library.register_fake("offgraph_kv::int4z_linear_rows")(lambda x, p, s, z: _rows_out(x, p.shape[0]))
 torch.library.register_fake("offgraph_kv::int4_da8_linear_rows")(lambda x, p, s, r: _rows_out(x, r.shape[0]))
+torch.library.register_fake("offgraph_kv::int8_da8_linear_rows")(lambda x, p, s, w: _rows_out(x, w.shape[0]))
 
 
 def shim_options() -> Dict[str, object]:

@@ -1,6 +1,6 @@
 """Quantized linears as ops the backend lowers per step width.
 
-Three ops, for models to call (``examples/llama/quantize.py`` does):
+Four ops, for models to call (``examples/llama/quantize.py`` does):
 
 - ``offgraph_kv::int8_linear(x, qdata, scale)``: ``qdata [N, K]`` int8, one
   scale per output row (``scale [N]``, the activations' dtype);
@@ -15,8 +15,10 @@ Three ops, for models to call (``examples/llama/quantize.py`` does):
   activations (per token, asymmetric) x symmetric int4 weights in groups,
   torchao's ``Int8DynamicActivationIntxWeightConfig`` ("8da4w"), the weights in
   tiles of 16 outputs x 8 inputs (``pack_int4_tiles``) for an integer dot
-  kernel; on CPU every width runs ``native/dynamic_int4_linear.cpp``, elsewhere
-  torchao's own form (activations quantized and dequantized, then ``mm``).
+  kernel; on CPU every width runs ``native/dynamic_linear.cpp``, elsewhere
+  torchao's own form (activations quantized and dequantized, then ``mm``);
+- ``offgraph_kv::int8_da8_linear(x, packed, scale, wsum)``: the same with int8
+  weights, one scale per output row ("8da8w"; ``pack_int8_tiles``).
 
 The backend (``lower_quantized_linears``) replaces every call before
 AOTInductor compiles: on CPU, unless ``OFFGRAPH_KV_CPU_GEMV=mm``, with a branch
@@ -75,14 +77,14 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return q.reshape(n, groups * 2 * half).to(torch.int8)
 
 
-TILE_ROWS, TILE_INPUTS = 16, 8  # native/dynamic_int4_linear.cpp's tile
+TILE_ROWS, TILE_INPUTS, TILE_INPUTS_INT8 = 16, 8, 4  # native/dynamic_linear.cpp's tiles
 
 
 def pack_int4_tiles(qdata: torch.Tensor, scale: torch.Tensor,
                     group_size: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[N, K]`` int8 in [-8, 7] and ``scale [N, K/G]`` -> the int4_da8 kernel's ``packed [B, K/8, 64]``
     uint8, ``scale [B, K/G, 16]`` and ``rowsum [N]`` fp32 (B = N/16 rounded up; the layout is
-    ``native/dynamic_int4_linear.cpp``'s): byte ``4r + j`` of tile ``(b, t)`` holds ``q + 8`` of output
+    ``native/dynamic_linear.cpp``'s): byte ``4r + j`` of tile ``(b, t)`` holds ``q + 8`` of output
     ``16b + r`` at input ``8t + j`` (low nibble) and ``8t + 4 + j`` (high nibble)."""
     n, k = qdata.shape
     if group_size % TILE_INPUTS or k % group_size:
@@ -110,6 +112,29 @@ def unpack_int4_tiles(packed: torch.Tensor, outputs: int) -> torch.Tensor:
     p = packed.to(torch.int16).view(blocks, tiles, TILE_ROWS, 4)
     q = torch.stack([p & 15, p >> 4], dim=3) - 8  # [B, K/8, 16, 2, 4]
     return q.permute(0, 2, 1, 3, 4).reshape(blocks * TILE_ROWS, tiles * TILE_INPUTS)[:outputs].to(torch.int8)
+
+
+def pack_int8_tiles(qdata: torch.Tensor, scale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[N, K]`` int8 and one scale per row -> the int8_da8 kernel's ``packed [B, K/4, 64]`` int8 (byte
+    ``4r + j`` of tile ``(b, t)``: output ``16b + r``, input ``4t + j``; the last tile padded with zero
+    rows), ``scale [N]`` and ``wsum [N]`` int32 (each row's sum of values)."""
+    n, k = qdata.shape
+    if k % TILE_INPUTS_INT8:
+        raise ValueError(f"int8 tiles need inputs in multiples of {TILE_INPUTS_INT8}, got {k}")
+    if scale.numel() != n:
+        raise ValueError(f"int8 tiles: {scale.numel()} scales for {n} rows")
+    blocks = -(-n // TILE_ROWS)
+    q = torch.nn.functional.pad(qdata, (0, 0, 0, blocks * TILE_ROWS - n))
+    packed = q.view(blocks, TILE_ROWS, k // TILE_INPUTS_INT8, 4).permute(0, 2, 1, 3)
+    packed = packed.reshape(blocks, k // TILE_INPUTS_INT8, TILE_ROWS * 4).contiguous()
+    return packed, scale.reshape(n).contiguous(), qdata.to(torch.int32).sum(1, dtype=torch.int32)
+
+
+def unpack_int8_tiles(packed: torch.Tensor, outputs: int) -> torch.Tensor:
+    """Inverse of ``pack_int8_tiles``' packing: ``[B, K/4, 64]`` -> ``[outputs, K]`` int8."""
+    blocks, tiles, _ = packed.shape
+    q = packed.view(blocks, tiles, TILE_ROWS, 4).permute(0, 2, 1, 3)
+    return q.reshape(blocks * TILE_ROWS, tiles * TILE_INPUTS_INT8)[:outputs]
 
 
 def quantize_per_token(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,6 +174,25 @@ def int4_da8_torchao_form(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     q = unpack_int4_tiles(packed, n)
     s = scale.transpose(1, 2).reshape(blocks * TILE_ROWS, groups)[:n]
     w = (q.view(n, groups, -1).to(x.dtype) * s.to(x.dtype).unsqueeze(-1)).reshape(n, -1)
+    return torch.mm(xd, w.t())
+
+
+def int8_da8_integer_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          wsum: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel computes, in torch: ``sx * scale * (sum (xq + 128) q - (128 + zero) * wsum)``,
+    the integers exact (fp64 holds them), in ``x``'s dtype."""
+    xq, sx, zero = quantize_per_token(x)
+    q = unpack_int8_tiles(packed, wsum.shape[0]).double()
+    dots = (xq.double() + 128) @ q.t() - (128 + zero.double()).unsqueeze(-1) * wsum.double()
+    return (sx.float().unsqueeze(-1) * (dots.float() * scale.float())).to(x.dtype)
+
+
+def int8_da8_torchao_form(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          wsum: torch.Tensor) -> torch.Tensor:
+    """torchao's computation: activations quantized and dequantized, the weight dequantized, ``mm``."""
+    xq, sx, zero = quantize_per_token(x)
+    xd = ((xq.to(torch.int32) - zero.unsqueeze(-1)).to(x.dtype) * sx.unsqueeze(-1))
+    w = unpack_int8_tiles(packed, wsum.shape[0]).to(x.dtype) * scale.to(x.dtype).unsqueeze(-1)
     return torch.mm(xd, w.t())
 
 
@@ -263,6 +307,17 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rowsum: torch.
     return x.new_empty(*x.shape[:-1], rowsum.shape[0])
 
 
+@torch.library.custom_op("offgraph_kv::int8_da8_linear", mutates_args=())
+def int8_da8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return int8_da8_torchao_form(rows, packed, scale, wsum).reshape(*x.shape[:-1], wsum.shape[0])
+
+
+@int8_da8_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], wsum.shape[0])
+
+
 # --------------------------------------------------------------------------- #
 # Lowering
 # --------------------------------------------------------------------------- #
@@ -297,18 +352,17 @@ def _without_zero(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
     return lambda x, packed, scale: fn(x, packed, scale, None)
 
 
-def _da8_on(cpu: bool) -> Callable[..., torch.Tensor]:
-    """The int4_da8 lowering: our kernel for every width on CPU (where it takes ``x``'s dtype), else
-    torchao's form."""
+def _da8_on(cpu: bool, kernel: Callable[..., torch.Tensor],
+            torchao_form: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A dynamic-activation lowering: our kernel for every width on CPU (where it takes ``x``'s dtype),
+    else torchao's form."""
     from offgraph_kv.backend.decode_gemv import KERNEL_FLOATS
 
-    def call(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rowsum: torch.Tensor) -> torch.Tensor:
+    def call(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)
-        if cpu and x.dtype in KERNEL_FLOATS and scale.dtype in KERNEL_FLOATS:
-            out = torch.ops.offgraph_kv.int4_da8_linear_rows(rows, packed, scale, rowsum)
-        else:
-            out = int4_da8_torchao_form(rows, packed, scale, rowsum)
+        take = cpu and x.dtype in KERNEL_FLOATS and scale.dtype in KERNEL_FLOATS
+        out = (kernel if take else torchao_form)(rows, packed, scale, sums)
         return out.reshape(*lead, out.shape[-1])
     return call
 
@@ -335,7 +389,9 @@ def lower_quantized_linears(program: fx.GraphModule, reduce: bool, cpu: bool = F
                 one = _kernel_or(int4_one_row, ops.int4z_linear_rows)
                 fn, args = _by_width(one, int4_many_rows, reduce), (x, packed, scale, zero)
         elif node.target is ops.int4_da8_linear.default:
-            fn, args = _da8_on(cpu), tuple(node.args)
+            fn, args = _da8_on(cpu, ops.int4_da8_linear_rows, int4_da8_torchao_form), tuple(node.args)
+        elif node.target is ops.int8_da8_linear.default:
+            fn, args = _da8_on(cpu, ops.int8_da8_linear_rows, int8_da8_torchao_form), tuple(node.args)
         else:
             continue
         with program.graph.inserting_before(node):

@@ -1,5 +1,5 @@
 // The C boundary the linear kernels share (decode_linear.cpp,
-// dynamic_int4_linear.cpp): a new output for the activations' rows, the
+// dynamic_linear.cpp): a new output for the activations' rows, the
 // activation dtypes they take, and one way to return (a failure deletes what
 // was made; no exception crosses into AOTInductor's generated code).
 #pragma once

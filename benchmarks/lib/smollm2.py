@@ -21,10 +21,10 @@ MAX_WRITE = 64  # export.py's default prefill chunk
 
 
 def precision_flags(variant: str) -> List[str]:
-    """``export.py`` flags of a ``<weights>-<KV storage>`` variant (int8 / int4 / 8da4w: bf16 weights, quantized
-    linears)."""
+    """``export.py`` flags of a ``<weights>-<KV storage>`` variant (int8 / int4 / 8da4w / 8da8w: bf16 weights,
+    quantized linears)."""
     weights, kv = variant.split("-")
-    quantized = weights in ("int8", "int4", "8da4w")
+    quantized = weights in ("int8", "int4", "8da4w", "8da8w")
     precision = ["--dtype", "bf16", "--quantize", weights] if quantized else ["--dtype", weights]
     return [*precision, "--storage-dtype", kv]
 

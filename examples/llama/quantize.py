@@ -21,11 +21,15 @@ carries outside the code:
   weight_dtype=torch.int4, PerGroup)``, ExecuTorch's usual scheme for LLMs on
   CPU), run as ``offgraph_kv::int4_da8_linear`` (``Int4DynamicLinear``): on CPU
   every step width is one integer-dot kernel over the weights in tiles, as
-  llama.cpp's Q4_0 dots its int8-quantized activations.
+  llama.cpp's Q4_0 dots its int8-quantized activations;
+- ``8da8w``: the same activations with int8 weights, one scale per output row
+  (``Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8,
+  PerAxis(0))``), run as ``offgraph_kv::int8_da8_linear``
+  (``Int8DynamicLinear``), llama.cpp's Q8_0 x Q8_0 in kind.
 
 ``int8`` and ``int4`` keep the activations in the model's dtype (weight-only);
-``8da4w`` changes the arithmetic (activations rounded to 8 bits), which is
-what buys its speed on CPU.
+``8da4w`` / ``8da8w`` change the arithmetic (activations rounded to 8 bits per
+token), which is what buys their speed on CPU.
 
 ``quantize_model(..., torchao_only=True)`` stops after torchao: the eager
 reference the compiled program is checked against (``run.py --check``).
@@ -42,9 +46,10 @@ from typing import Dict, Optional
 
 import torch
 
-from offgraph_kv.backend.quantized_linear import pack_int4, pack_int4_tiles  # also registers the offgraph_kv:: ops
+from offgraph_kv.backend.quantized_linear import (  # also registers the offgraph_kv:: ops
+    pack_int4, pack_int4_tiles, pack_int8_tiles)
 
-SCHEMES = ("int8", "int4", "8da4w")
+SCHEMES = ("int8", "int4", "8da4w", "8da8w")
 GROUPED = ("int4", "8da4w")  # the schemes with a group size
 DEFAULT_GROUP_SIZE = 32
 
@@ -59,7 +64,7 @@ def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: in
         raise ValueError(f"quantize: unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
     from torchao.quantization import (Int8DynamicActivationIntxWeightConfig, Int8WeightOnlyConfig,
                                       IntxWeightOnlyConfig, quantize_)
-    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.granularity import PerAxis, PerGroup
 
     linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     if not linears:
@@ -77,6 +82,12 @@ def quantize_model(model: torch.nn.Module, scheme: Optional[str], group_size: in
         else:
             config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
                                                            weight_granularity=PerGroup(group_size))
+    elif scheme == "8da8w":
+        bad = [f"{name} ({m.in_features} inputs)" for name, m in linears.items() if m.in_features % 4]
+        if bad:
+            raise ValueError(f"quantize 8da8w: the kernel takes inputs in multiples of 4, not those of "
+                             f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}")
+        config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0))
     else:
         config = Int8WeightOnlyConfig()
     quantize_(model, config)
@@ -147,8 +158,28 @@ class Int4DynamicLinear(_BackendLinear):
         self.register_buffer("scale", tiled_scale)
         self.register_buffer("rowsum", rowsum)
 
+    kernel_operands = ("packed", "scale", "rowsum")
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.offgraph_kv.int4_da8_linear(x, self.packed, self.scale, self.rowsum)
+
+
+class Int8DynamicLinear(_BackendLinear):
+    """A torchao 8da8w linear as ``offgraph_kv::int8_da8_linear``: the int8 values in the kernel's tiles
+    (``pack_int8_tiles``), a scale per output row and each row's sum of values (which the activations'
+    zero point meets once per row)."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__(qdata, bias)
+        packed, row_scale, wsum = pack_int8_tiles(qdata, scale)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale", row_scale)
+        self.register_buffer("wsum", wsum)
+
+    kernel_operands = ("packed", "scale", "wsum")
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.offgraph_kv.int8_da8_linear(x, self.packed, self.scale, self.wsum)
 
 
 def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> None:
@@ -161,10 +192,13 @@ def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> No
             zero = getattr(w, "zero_point", None)
             nonzero = zero is not None and bool(zero.any())
             act = getattr(w, "dtype", torch.float32)  # the dtype the linear computes in
-            if scheme == "int8":
+            if scheme in ("int8", "8da8w"):
                 if nonzero:
-                    raise ValueError(f"quantize int8: {name} has nonzero zero points; the int8 GEMM is symmetric")
-                setattr(parent, name, Int8RowLinear(w.qdata, w.scale.to(act), child.bias))
+                    raise ValueError(f"quantize {scheme}: {name} has nonzero zero points; the kernels are symmetric")
+                if scheme == "int8":
+                    setattr(parent, name, Int8RowLinear(w.qdata, w.scale.to(act), child.bias))
+                else:
+                    setattr(parent, name, Int8DynamicLinear(w.qdata, w.scale.to(act), child.bias))
             else:
                 if tuple(w.block_size) != (1, group_size):
                     raise ValueError(f"quantize {scheme}: {name} has blocks {tuple(w.block_size)}, "

@@ -1,11 +1,11 @@
-"""The int8-dynamic-activation x int4-weight kernel (``native/dynamic_int4_linear.cpp``),
-compiled into an AOTInductor program the way every CPU program gets it, against
-the same integer arithmetic written in torch (``int4_da8_integer_rows``), and
-that arithmetic against torchao's own quantization primitives: per-token
-activation quantization equal to torchao's, outputs off the 16-output tile,
-groups of 8 to 64 inputs, 1 to 70 rows (several token batches and a remainder),
-strided activations, fp32 / bf16 / fp16 activations and scales, one and two
-threads.
+"""The int8-dynamic-activation kernels, int4 and int8 weights
+(``native/dynamic_linear.cpp``), compiled into an AOTInductor program the way
+every CPU program gets them, against the same integer arithmetic written in
+torch (``int4_da8_integer_rows``, ``int8_da8_integer_rows``), and that
+arithmetic against torchao's own quantization primitives: per-token activation
+quantization equal to torchao's, outputs off the 16-output tile, int4 groups of
+8 and 32 inputs, 1 to 70 rows (several token batches and a remainder), strided
+activations, fp32 / bf16 / fp16 activations and scales, one and two threads.
 """
 
 from __future__ import annotations
@@ -19,21 +19,23 @@ import torch
 from torch.export import Dim
 
 from offgraph_kv.backend.aoti_compile import compile_shared_object
-from offgraph_kv.backend.quantized_linear import (int4_da8_integer_rows, int4_da8_torchao_form, pack_int4_tiles,
-                                                  quantize_per_token, unpack_int4_tiles)
+from offgraph_kv.backend.quantized_linear import (int4_da8_integer_rows, int4_da8_torchao_form,
+                                                  int8_da8_integer_rows, int8_da8_torchao_form, pack_int4_tiles,
+                                                  pack_int8_tiles, quantize_per_token, unpack_int4_tiles,
+                                                  unpack_int8_tiles)
 
 # (activation dtype, scale dtype) of the calls
 CALLS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]
 
 
 class _Calls(torch.nn.Module):
-    """The kernel once per dtype pair; the activations arrive transposed ([K, R]), a strided view."""
+    """Each kernel once per dtype pair; the activations arrive transposed ([K, R]), a strided view."""
 
-    def forward(self, xt: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                rowsum: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        x = xt.t()
-        return tuple(torch.ops.offgraph_kv.int4_da8_linear_rows(x.to(xd), packed, scale.to(sd), rowsum)
-                     for xd, sd in CALLS)
+    def forward(self, xt: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rowsum: torch.Tensor,
+                packed8: torch.Tensor, scale8: torch.Tensor, wsum: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        x, ops = xt.t(), torch.ops.offgraph_kv
+        return (*(ops.int4_da8_linear_rows(x.to(xd), packed, scale.to(sd), rowsum) for xd, sd in CALLS),
+                *(ops.int8_da8_linear_rows(x.to(xd), packed8, scale8.to(sd), wsum) for xd, sd in CALLS))
 
 
 def _weights(n: int, k: int, group: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -43,10 +45,15 @@ def _weights(n: int, k: int, group: int, seed: int) -> Tuple[torch.Tensor, torch
     return q, s
 
 
+def _weights8(n: int, k: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 2)
+    return torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g) * 1e-2 + 1e-4
+
+
 def _inputs(rows: int, k: int, n: int, group: int, seed: int) -> List[torch.Tensor]:
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(k, rows, generator=g) * 3 + 0.5  # asymmetric: a nonzero zero point
-    return [x, *pack_int4_tiles(*_weights(n, k, group, seed), group)]
+    return [x, *pack_int4_tiles(*_weights(n, k, group, seed), group), *pack_int8_tiles(*_weights8(n, k, seed))]
 
 
 @pytest.fixture(scope="module", params=[32, 8], ids=["group32", "group8"])
@@ -55,7 +62,8 @@ def compiled(request) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]
     args = _inputs(3, 4 * group, 20, group, 0)
     r, b, n = Dim("rows", min=1, max=512), Dim("blocks", min=1, max=8192), Dim("n", min=1, max=1 << 17)
     kg = Dim("kgroups", min=1, max=1024)
-    shapes = ({0: group * kg, 1: r}, {0: b, 1: (group // 8) * kg}, {0: b, 1: kg}, {0: n})
+    shapes = ({0: group * kg, 1: r}, {0: b, 1: (group // 8) * kg}, {0: b, 1: kg}, {0: n},
+              {0: b, 1: (group // 4) * kg}, {0: n}, {0: n})
     program = torch.export.export(_Calls(), tuple(args), dynamic_shapes=shapes)
     code = compile_shared_object(program, args, "cpu")
     path = Path(tempfile.mkdtemp(prefix="offgraph_kv_da8_")) / "calls.so"
@@ -66,7 +74,7 @@ def compiled(request) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows,kgroups,n", [(1, 1, 1), (1, 3, 7), (1, 18, 576), (3, 5, 13), (5, 2, 1031),
                                             (70, 4, 33), (2, 9, 4097)])
-def test_int4_da8_kernel_in_a_compiled_program_matches_its_integer_arithmetic(compiled, rows, kgroups, n, threads):
+def test_dynamic_kernels_in_a_compiled_program_match_their_integer_arithmetic(compiled, rows, kgroups, n, threads):
     runner, group = compiled
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -75,20 +83,25 @@ def test_int4_da8_kernel_in_a_compiled_program_matches_its_integer_arithmetic(co
         got = runner.run(args)
     finally:
         torch.set_num_threads(before)
-    xt, packed, scale, rowsum = args
-    for i, (xd, sd) in enumerate(CALLS):
-        want = int4_da8_integer_rows(xt.t().to(xd), packed, scale.to(sd), rowsum)
+    xt, packed, scale, rowsum, packed8, scale8, wsum = args
+    wants = [int4_da8_integer_rows(xt.t().to(xd), packed, scale.to(sd), rowsum) for xd, sd in CALLS]
+    wants += [int8_da8_integer_rows(xt.t().to(xd), packed8, scale8.to(sd), wsum) for xd, sd in CALLS]
+    for i, want in enumerate(wants):
+        xd = want.dtype
         assert got[i].dtype == xd and got[i].shape == (rows, n), i
         # The same integers; fp32 sums in another order, then one rounding to x's dtype.
         atol, rtol = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (4e-3, 2e-3)}[xd]
         torch.testing.assert_close(got[i].float(), want.float(), atol=atol, rtol=rtol, msg=lambda m: f"call {i}: {m}")
 
 
-def test_int4_da8_kernel_rejects_tiles_that_disagree_with_the_row_sums(compiled):
+@pytest.mark.parametrize("which", ["int4", "int8"])
+def test_dynamic_kernels_reject_tiles_that_disagree_with_the_row_sums(compiled, which):
     runner, group = compiled
-    xt, packed, scale, rowsum = _inputs(1, 2 * group, 40, group, seed=3)  # 3 tiles of rows
+    args = _inputs(1, 2 * group, 40, group, seed=3)  # 3 tiles of rows
+    cut = 3 if which == "int4" else 6
+    args[cut] = args[cut][:16]  # 16 outputs fill only one of the three tiles
     with pytest.raises(RuntimeError):
-        runner.run([xt, packed, scale, rowsum[:16]])  # 16 outputs fill only one of the three tiles
+        runner.run(args)
 
 
 def test_int4_tiles_round_trip_and_pad_the_last_tile_with_zero_rows():
@@ -121,9 +134,22 @@ def test_per_token_quantization_is_torchaos(dtype):
     assert torch.equal(sx, scale) and torch.equal(zero, zp.to(torch.int32)) and torch.equal(xq, want)
 
 
+def test_int8_tiles_round_trip_with_row_sums():
+    q, s = _weights8(37, 64, seed=5)
+    packed, scale, wsum = pack_int8_tiles(q, s)
+    assert packed.shape == (3, 16, 64) and packed.dtype == torch.int8 and wsum.dtype == torch.int32
+    assert torch.equal(unpack_int8_tiles(packed, 37), q) and torch.equal(wsum, q.int().sum(1, dtype=torch.int32))
+    assert torch.equal(unpack_int8_tiles(packed, 48)[37:], torch.zeros(11, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="multiples of 4"):
+        pack_int8_tiles(q[:, :62], s)
+
+
 def test_integer_arithmetic_is_torchaos_linear_within_rounding():
     q, s = _weights(50, 96, 32, seed=2)
     x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4)) * 2 - 0.3
     tiles = pack_int4_tiles(q, s, 32)
     exact = int4_da8_integer_rows(x, *tiles)
     torch.testing.assert_close(int4_da8_torchao_form(x, *tiles), exact, atol=1e-5, rtol=1e-5)
+    tiles8 = pack_int8_tiles(*_weights8(50, 96, seed=2))
+    exact8 = int8_da8_integer_rows(x, *tiles8)
+    torch.testing.assert_close(int8_da8_torchao_form(x, *tiles8), exact8, atol=1e-5, rtol=1e-5)

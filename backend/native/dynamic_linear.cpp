@@ -1,0 +1,427 @@
+// CPU linears with int8 dynamic activations and int4 or int8 weights ("8da4w" /
+// "8da8w", torchao's Int8DynamicActivationIntxWeightConfig, ExecuTorch's usual
+// LLM schemes), for every step width: each activation row is quantized to int8
+// per token (asymmetric, torchao's arithmetic in the activations' dtype), then
+// dotted with the weights in integers, as llama.cpp's Q4_0 / Q8_0 dot their
+// Q8_0-quantized activations. Called by AOTInductor's generated code as the C
+// shims of offgraph_kv::int4_da8_linear_rows / int8_da8_linear_rows and compiled
+// into each CPU program's shared object (backend/cpu_kernels.py).
+//
+// Why integers: with fp32 activations a 4-bit weight costs a widening and an FMA
+// per 16 values, more than streaming its half byte (SmolLM2 int4 decoded no
+// faster than int8); one VNNI dot takes 64 weight-activation products.
+//
+// Weights come in tiles of 16 outputs (one 32-bit lane each, so one VNNI dot
+// with four broadcast activations updates all 16), as backend/quantized_linear.py
+// (pack_int4_tiles, pack_int8_tiles) lays them out; N is padded to whole tiles
+// with zero rows, and the output has the row-sum tensor's N:
+//
+// int4, in groups of G inputs (symmetric, q in [-8, 7], stored as n = q + 8):
+//   packed [N/16, K/8, 64] uint8: byte 4r + j of tile (b, t) holds n of output
+//     16b + r at input 8t + j in its low nibble and at 8t + 4 + j in its high one;
+//   scale  [N/16, K/G, 16] (fp32 / bf16 / fp16): output 16b + r's scale for group g;
+//   rowsum [N] fp32: sum_k w[n, k], the dequantized row's sum;
+//   y[n] = sx * (sum_g scale[n, g] * (sum_{k in g} n_k xq_k - 8 sum_{k in g} xq_k) - zp * rowsum[n])
+// int8, one scale per output row (q in [-128, 127]):
+//   packed [N/16, K/4, 64] int8: byte 4r + j of tile (b, t) = q[16b + r, 4t + j];
+//   scale  [N] (fp32 / bf16 / fp16); wsum [N] int32: sum_k q[n, k];
+//   y[n] = sx * scale[n] * (sum_k (xq_k + 128) q_k - (128 + zp) * wsum[n])
+// with xq the row's int8 values, zp its zero point and sx its scale. The integer
+// sums are exact (int4: int32 per group; int8: int32 per 2^16 inputs, then
+// int64), the rest fp32; the output takes x's dtype.
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+#include "float16.h"
+#include "linear_call.h"
+#include "shim_view.h"
+#include "vec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+using namespace offgraph_kv_native;
+using namespace offgraph_kv_native::vec;
+
+constexpr int64_t kTileRows = 16;     // outputs per tile
+constexpr int64_t kTileBytes = 64;
+constexpr int64_t kTokenBatch = 4;    // activation rows sharing each tile load
+constexpr int64_t kTilesPerThread = 32;  // a thread below this many tiles of outputs costs more than it reads
+
+// ----------------------------------------------------------------------------
+// Per-token activation quantization, torchao's (choose_qparams_affine, ASYMMETRIC,
+// then quantize_affine), each op rounded to X as torch's op in X's dtype rounds.
+// ----------------------------------------------------------------------------
+
+template <typename X>
+float smallest_normal();
+template <>
+float smallest_normal<float>() { return std::numeric_limits<float>::min(); }
+template <>
+float smallest_normal<Bf16>() { return std::numeric_limits<float>::min(); }  // bf16 has fp32's exponent
+template <>
+float smallest_normal<Half>() { return 6.103515625e-05f; }
+
+struct QuantRow {
+  float scale;  // the row's scale as torchao stores it (X), widened
+  int32_t zero;
+};
+
+// xq[i] for i < k and the sums of every group of `group` values; NaN anywhere makes the scale NaN.
+template <typename X>
+QuantRow quantize_row(const X* x, int64_t stride, int64_t k, int64_t group, int8_t* xq, int32_t* sums) {
+  float lo = 0.f, hi = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = widen(x[i * stride]);
+    nan |= std::isnan(v);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  float scale = round_to<X>(round_to<X>(hi - lo) / 255.f);
+  scale = std::max(scale, smallest_normal<X>());
+  if (nan) scale = std::numeric_limits<float>::quiet_NaN();
+  const float zf = std::min(127.f, std::max(-128.f, -128.f - std::nearbyint(round_to<X>(lo / scale))));
+  const int32_t zero = std::isnan(zf) ? 0 : int32_t(zf);
+  const float inv = round_to<X>(1.f / scale);
+  for (int64_t i = 0; i < k; ++i) {
+    const float q = std::nearbyint(round_to<X>(widen(x[i * stride]) * inv)) + float(zero);
+    xq[i] = std::isnan(q) ? int8_t(0) : int8_t(std::min(127.f, std::max(-128.f, q)));
+  }
+  for (int64_t g = 0; g < k / group; ++g) {
+    int32_t s = 0;
+    for (int64_t i = 0; i < group; ++i) s += xq[g * group + i];
+    sums[g] = s;
+  }
+  return {scale, zero};
+}
+
+// ----------------------------------------------------------------------------
+// Integer dots of one tile with a token's activations: acc lane r += sum_j w[r, j] * xq[j]
+// over the tile's low nibbles (inputs 0..3) and high nibbles (4..7). IVec holds
+// kLanes 32-bit lanes: 16 outputs per register on AVX-512, 8 on AVX2 (two per tile).
+// ----------------------------------------------------------------------------
+
+#if defined(__AVX512BW__)
+using IVec = __m512i;
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec ibroadcast(const void* p) {  // four bytes to every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline void isplit(IVec w, IVec* lo, IVec* hi) {
+  const IVec m = _mm512_set1_epi8(15);
+  *lo = _mm512_and_si512(w, m);
+  *hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m);
+}
+inline IVec idot(IVec acc, IVec u8, IVec s8) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#else  // 15 * 128 * 2 fits int16: maddubs cannot saturate here
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
+#endif
+}
+inline IVec isub(IVec a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline Vec ito_float(IVec a) { return _mm512_cvtepi32_ps(a); }
+inline void istore(int32_t* p, IVec a) { _mm512_storeu_si512(p, a); }
+#define OFFGRAPH_KV_INT_VECTOR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+using IVec = __m256i;
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec ibroadcast(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline void isplit(IVec w, IVec* lo, IVec* hi) {
+  const IVec m = _mm256_set1_epi8(15);
+  *lo = _mm256_and_si256(w, m);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m);
+}
+inline IVec idot(IVec acc, IVec u8, IVec s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+inline IVec isub(IVec a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline Vec ito_float(IVec a) { return _mm256_cvtepi32_ps(a); }
+inline void istore(int32_t* p, IVec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
+#define OFFGRAPH_KV_INT_VECTOR 1
+#endif
+
+struct Tokens {  // the quantized activations of the step's rows
+  const int8_t* xq;      // [R, K]
+  const uint8_t* xu;     // [R, K]: xq + 128 (int8 weights: VNNI's unsigned operand), or null
+  const int32_t* sums;   // [R, K/G]: xq's sums per group (int4 weights)
+  const QuantRow* rows;  // [R]
+  int64_t k, groups;
+};
+
+// Each format computes d[t][r] for tile-row block b's 16 outputs and tokens t0..t0+T-1 (block),
+// then an output from d (finish).
+template <typename S>
+struct Int4Tiles {
+  static constexpr int64_t kInputs = 8;  // per tile
+  const uint8_t* packed;
+  const S* scale;
+  const float* rowsum;
+  int64_t k, groups, group;
+
+  // d = sum_g scale * (sum n xq - 8 sum xq): before the row's scale and zero point.
+  template <int T>
+  void block(int64_t b, const Tokens& x, int64_t t0, float (*out)[kTileRows]) const {
+    const int64_t tiles = k / kInputs, per_group = group / kInputs;
+    const uint8_t* base = packed + b * tiles * kTileBytes;
+#ifdef OFFGRAPH_KV_INT_VECTOR
+    constexpr int kParts = int(kTileRows / kLanes);  // registers per tile: 1 (AVX-512) or 2 (AVX2)
+    Vec accf[T][kParts];
+    for (int t = 0; t < T; ++t)
+      for (int p = 0; p < kParts; ++p) accf[t][p] = vzero();
+    for (int64_t g = 0; g < groups; ++g) {
+      IVec acc[T][kParts];
+      for (int t = 0; t < T; ++t)
+        for (int p = 0; p < kParts; ++p) acc[t][p] = izero();
+      for (int64_t j = 0; j < per_group; ++j) {
+        const int64_t tile = g * per_group + j;
+        const uint8_t* src = base + tile * kTileBytes;
+        for (int p = 0; p < kParts; ++p) {
+          IVec lo, hi;
+          isplit(iload(src + p * kLanes * 4), &lo, &hi);
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xt = x.xq + (t0 + t) * x.k + tile * kInputs;
+            acc[t][p] = idot(acc[t][p], lo, ibroadcast(xt));
+            acc[t][p] = idot(acc[t][p], hi, ibroadcast(xt + 4));
+          }
+        }
+      }
+      const S* sc = scale + (b * groups + g) * kTileRows;
+      for (int p = 0; p < kParts; ++p) {
+        const Vec s = vload(sc + p * kLanes);
+        for (int t = 0; t < T; ++t) {
+          const int32_t offset = 8 * x.sums[(t0 + t) * x.groups + g];  // the stored nibbles' +8, for the group
+          accf[t][p] = vfma(ito_float(isub(acc[t][p], offset)), s, accf[t][p]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int p = 0; p < kParts; ++p) vstore(out[t] + p * kLanes, accf[t][p]);
+#else
+    for (int t = 0; t < T; ++t)
+      for (int64_t r = 0; r < kTileRows; ++r) out[t][r] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xt = x.xq + (t0 + t) * x.k;
+        for (int64_t r = 0; r < kTileRows; ++r) {
+          int32_t dot = 0;
+          for (int64_t j = 0; j < per_group; ++j) {
+            const int64_t tile = g * per_group + j;
+            const uint8_t* src = base + tile * kTileBytes + r * 4;
+            for (int64_t i = 0; i < 4; ++i)
+              dot += int32_t(src[i] & 15) * xt[tile * kInputs + i] + int32_t(src[i] >> 4) * xt[tile * kInputs + 4 + i];
+          }
+          dot -= 8 * x.sums[(t0 + t) * x.groups + g];
+          out[t][r] += float(dot) * widen(scale[(b * groups + g) * kTileRows + r]);
+        }
+      }
+    }
+#endif
+  }
+  float finish(const QuantRow& q, float d, int64_t n) const { return q.scale * (d - float(q.zero) * rowsum[n]); }
+};
+
+template <typename S>
+struct Int8Tiles {
+  static constexpr int64_t kInputs = 4;  // per tile
+  static constexpr int64_t kChunk = 1 << 16;  // inputs whose dot fits int32: 255 * 128 * 2^16 < 2^31
+  const int8_t* packed;
+  const S* scale;
+  const int32_t* wsum;
+  int64_t k, outputs;
+
+  // d = scale * (sum (xq + 128) q - (128 + zp) wsum): exact in integers, then one rounding.
+  template <int T>
+  void block(int64_t b, const Tokens& x, int64_t t0, float (*out)[kTileRows]) const {
+    const int64_t tiles = k / kInputs;
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(packed) + b * tiles * kTileBytes;
+    int64_t total[T][kTileRows] = {};
+    for (int64_t c0 = 0; c0 < tiles; c0 += kChunk / kInputs) {
+      const int64_t c1 = std::min(tiles, c0 + kChunk / kInputs);
+      int32_t part[T][kTileRows];
+#ifdef OFFGRAPH_KV_INT_VECTOR
+      constexpr int kParts = int(kTileRows / kLanes);
+      IVec acc[T][kParts];
+      for (int t = 0; t < T; ++t)
+        for (int p = 0; p < kParts; ++p) acc[t][p] = izero();
+      for (int64_t tile = c0; tile < c1; ++tile) {
+        const uint8_t* src = base + tile * kTileBytes;
+        for (int p = 0; p < kParts; ++p) {
+          const IVec w = iload(src + p * kLanes * 4);
+          for (int t = 0; t < T; ++t)
+            acc[t][p] = idot(acc[t][p], ibroadcast(x.xu + (t0 + t) * x.k + tile * kInputs), w);
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        for (int p = 0; p < kParts; ++p) istore(part[t] + p * kLanes, acc[t][p]);
+#else
+      for (int t = 0; t < T; ++t) {
+        const uint8_t* xt = x.xu + (t0 + t) * x.k;
+        for (int64_t r = 0; r < kTileRows; ++r) {
+          int32_t dot = 0;
+          for (int64_t tile = c0; tile < c1; ++tile) {
+            const int8_t* src = reinterpret_cast<const int8_t*>(base + tile * kTileBytes) + r * 4;
+            for (int64_t i = 0; i < 4; ++i) dot += int32_t(xt[tile * kInputs + i]) * src[i];
+          }
+          part[t][r] = dot;
+        }
+      }
+#endif
+      for (int t = 0; t < T; ++t)
+        for (int64_t r = 0; r < kTileRows; ++r) total[t][r] += part[t][r];
+    }
+    const int64_t n0 = b * kTileRows;
+    for (int t = 0; t < T; ++t) {
+      const int64_t offset = 128 + x.rows[t0 + t].zero;
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        const int64_t n = n0 + r;  // padding rows have zero weights: their d is never read
+        out[t][r] = n < outputs ? float(total[t][r] - offset * wsum[n]) * widen(scale[n]) : 0.f;
+      }
+    }
+  }
+  float finish(const QuantRow& q, float d, int64_t) const { return q.scale * d; }
+};
+
+template <int T, typename X, typename Format>
+void block_rows(const Format& w, int64_t b, const Tokens& x, int64_t t0, int64_t outputs, X* y) {
+  float d[T][kTileRows];
+  w.template block<T>(b, x, t0, d);
+  const int64_t n0 = b * kTileRows, count = std::min(kTileRows, outputs - n0);
+  for (int t = 0; t < T; ++t) {
+    const QuantRow& q = x.rows[t0 + t];
+    X* yt = y + (t0 + t) * outputs + n0;
+    for (int64_t r = 0; r < count; ++r) from_float(w.finish(q, d[t][r], n0 + r), yt + r);
+  }
+}
+
+// The step's rows quantized, then the outputs' tiles split over the threads OpenMP allows.
+template <typename X, typename Format>
+void linear(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t outputs, int64_t group, bool unsigned_x,
+            const Format& w, X* y) {
+  const int64_t k = w.k, groups = k / group;
+  std::vector<int8_t> xq(rows * k);
+  std::vector<uint8_t> xu(unsigned_x ? rows * k : 0);
+  std::vector<int32_t> sums(rows * groups);
+  std::vector<QuantRow> q(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    q[r] = quantize_row(x + r * x_row, x_col, k, group, xq.data() + r * k, sums.data() + r * groups);
+  for (size_t i = 0; i < xu.size(); ++i) xu[i] = uint8_t(int32_t(xq[i]) + 128);
+  const Tokens tokens{xq.data(), unsigned_x ? xu.data() : nullptr, sums.data(), q.data(), k, groups};
+  const int64_t blocks = (outputs + kTileRows - 1) / kTileRows;
+  int64_t parts = 1;
+#ifdef _OPENMP
+  parts = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / kTilesPerThread));
+#endif
+  // Blocks outermost: a block's weights stay in cache while every token batch passes over them.
+#pragma omp parallel for num_threads(parts) if (parts > 1) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t t = 0;
+    for (; t + kTokenBatch <= rows; t += kTokenBatch) block_rows<kTokenBatch>(w, b, tokens, t, outputs, y);
+    switch (rows - t) {
+      case 3: block_rows<3>(w, b, tokens, t, outputs, y); break;
+      case 2: block_rows<2>(w, b, tokens, t, outputs, y); break;
+      case 1: block_rows<1>(w, b, tokens, t, outputs, y); break;
+      default: break;
+    }
+  }
+}
+
+// packed [B, K/inputs, 64] of `dtype` and the outputs n (B tiles of rows hold them, the last one padded).
+bool tiles(AtenTensorHandle packed, int32_t dtype, int64_t inputs, View* pv) {
+  return view_of(packed, 3, pv) && contiguous(*pv) && pv->dtype == dtype && pv->sizes[2] == kTileBytes &&
+         pv->sizes[0] >= 1 && pv->sizes[1] >= 1 && pv->sizes[1] <= (int64_t(1) << 40) / inputs;
+}
+bool fills(int64_t outputs, int64_t blocks) {
+  return outputs > (blocks - 1) * kTileRows && outputs <= blocks * kTileRows;
+}
+
+AOTITorchError int4_da8_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle scale,
+                               AtenTensorHandle rowsum, AtenTensorHandle* ret) {
+  constexpr int64_t kInputs = Int4Tiles<float>::kInputs;
+  View pv, sv, rv, xv;
+  if (!tiles(packed, aoti_torch_dtype_uint8(), kInputs, &pv)) return AOTI_TORCH_FAILURE;
+  const int64_t blocks = pv.sizes[0], k = pv.sizes[1] * kInputs;
+  if (!view_of(scale, 3, &sv) || !contiguous(sv) || sv.sizes[0] != blocks || sv.sizes[2] != kTileRows ||
+      sv.sizes[1] < 1 || k % sv.sizes[1] || (k / sv.sizes[1]) % kInputs)
+    return AOTI_TORCH_FAILURE;
+  const int64_t groups = sv.sizes[1];
+  if (!view_of(rowsum, 1, &rv) || !contiguous(rv) || rv.dtype != aoti_torch_dtype_float32() ||
+      !fills(rv.sizes[0], blocks))  // the tiles' rows past rowsum's are padding
+    return AOTI_TORCH_FAILURE;
+  const int64_t outputs = rv.sizes[0];
+  AtenTensorHandle out = nullptr;
+  void* y = nullptr;
+  if (!activations(x, k, outputs, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
+  bool ok = false;
+  with_float_type(xv.dtype, [&](auto xt) {
+    using X = decltype(xt);
+    ok = with_float_type(sv.dtype, [&](auto st) {
+      using S = decltype(st);
+      const Int4Tiles<S> w{static_cast<const uint8_t*>(pv.data), static_cast<const S*>(sv.data),
+                           static_cast<const float*>(rv.data), k, groups, k / groups};
+      linear(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], outputs, k / groups, false,
+             w, static_cast<X*>(y));
+    });
+  });
+  return finish(ok, out, ret);
+}
+
+AOTITorchError int8_da8_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle scale,
+                               AtenTensorHandle wsum, AtenTensorHandle* ret) {
+  constexpr int64_t kInputs = Int8Tiles<float>::kInputs;
+  View pv, sv, wv, xv;
+  if (!tiles(packed, aoti_torch_dtype_int8(), kInputs, &pv)) return AOTI_TORCH_FAILURE;
+  const int64_t blocks = pv.sizes[0], k = pv.sizes[1] * kInputs;
+  if (!view_of(wsum, 1, &wv) || !contiguous(wv) || wv.dtype != aoti_torch_dtype_int32() || !fills(wv.sizes[0], blocks))
+    return AOTI_TORCH_FAILURE;
+  const int64_t outputs = wv.sizes[0];
+  if (!view_of(scale, 1, &sv) || !contiguous(sv) || sv.sizes[0] != outputs) return AOTI_TORCH_FAILURE;
+  AtenTensorHandle out = nullptr;
+  void* y = nullptr;
+  if (!activations(x, k, outputs, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
+  bool ok = false;
+  with_float_type(xv.dtype, [&](auto xt) {
+    using X = decltype(xt);
+    ok = with_float_type(sv.dtype, [&](auto st) {
+      using S = decltype(st);
+      const Int8Tiles<S> w{static_cast<const int8_t*>(pv.data), static_cast<const S*>(sv.data),
+                           static_cast<const int32_t*>(wv.data), k, outputs};
+      linear(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], outputs, k, true, w,
+             static_cast<X*>(y));
+    });
+  });
+  return finish(ok, out, ret);
+}
+
+}  // namespace
+
+extern "C" AOTITorchError aoti_torch_cpu_int4_da8_linear_rows(AtenTensorHandle x, AtenTensorHandle packed,
+                                                              AtenTensorHandle scale, AtenTensorHandle rowsum,
+                                                              AtenTensorHandle* ret0) {
+  return guarded([&] { return int4_da8_linear(x, packed, scale, rowsum, ret0); });
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_int8_da8_linear_rows(AtenTensorHandle x, AtenTensorHandle packed,
+                                                              AtenTensorHandle scale, AtenTensorHandle wsum,
+                                                              AtenTensorHandle* ret0) {
+  return guarded([&] { return int8_da8_linear(x, packed, scale, wsum, ret0); });
+}
