@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -57,54 +58,6 @@ constexpr int64_t kTileRows = 16;     // outputs per tile
 constexpr int64_t kTileBytes = 64;
 constexpr int64_t kTokenBatch = 4;    // activation rows sharing each tile load
 constexpr int64_t kTilesPerThread = 32;  // a thread below this many tiles of outputs costs more than it reads
-
-// ----------------------------------------------------------------------------
-// Per-token activation quantization, torchao's (choose_qparams_affine, ASYMMETRIC,
-// then quantize_affine), each op rounded to X as torch's op in X's dtype rounds.
-// ----------------------------------------------------------------------------
-
-template <typename X>
-float smallest_normal();
-template <>
-float smallest_normal<float>() { return std::numeric_limits<float>::min(); }
-template <>
-float smallest_normal<Bf16>() { return std::numeric_limits<float>::min(); }  // bf16 has fp32's exponent
-template <>
-float smallest_normal<Half>() { return 6.103515625e-05f; }
-
-struct QuantRow {
-  float scale;  // the row's scale as torchao stores it (X), widened
-  int32_t zero;
-};
-
-// xq[i] for i < k and the sums of every group of `group` values; NaN anywhere makes the scale NaN.
-template <typename X>
-QuantRow quantize_row(const X* x, int64_t stride, int64_t k, int64_t group, int8_t* xq, int32_t* sums) {
-  float lo = 0.f, hi = 0.f;
-  bool nan = false;
-  for (int64_t i = 0; i < k; ++i) {
-    const float v = widen(x[i * stride]);
-    nan |= std::isnan(v);
-    lo = std::min(lo, v);
-    hi = std::max(hi, v);
-  }
-  float scale = round_to<X>(round_to<X>(hi - lo) / 255.f);
-  scale = std::max(scale, smallest_normal<X>());
-  if (nan) scale = std::numeric_limits<float>::quiet_NaN();
-  const float zf = std::min(127.f, std::max(-128.f, -128.f - std::nearbyint(round_to<X>(lo / scale))));
-  const int32_t zero = std::isnan(zf) ? 0 : int32_t(zf);
-  const float inv = round_to<X>(1.f / scale);
-  for (int64_t i = 0; i < k; ++i) {
-    const float q = std::nearbyint(round_to<X>(widen(x[i * stride]) * inv)) + float(zero);
-    xq[i] = std::isnan(q) ? int8_t(0) : int8_t(std::min(127.f, std::max(-128.f, q)));
-  }
-  for (int64_t g = 0; g < k / group; ++g) {
-    int32_t s = 0;
-    for (int64_t i = 0; i < group; ++i) s += xq[g * group + i];
-    sums[g] = s;
-  }
-  return {scale, zero};
-}
 
 // ----------------------------------------------------------------------------
 // Integer dots of one tile with a token's activations: acc lane r += sum_j w[r, j] * xq[j]
@@ -136,6 +89,22 @@ inline IVec idot(IVec acc, IVec u8, IVec s8) {
 inline IVec isub(IVec a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
 inline Vec ito_float(IVec a) { return _mm512_cvtepi32_ps(a); }
 inline void istore(int32_t* p, IVec a) { _mm512_storeu_si512(p, a); }
+inline IVec iadd(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+// Lanes rounded to bf16 / fp16 and back (finite values; ties to even, as torch's casts).
+inline Vec vround_bf16(Vec v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u))));
+}
+inline Vec vround_half(Vec v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// Integral lanes in [-128, 127] to int8 (saturating).
+inline void vstore_int8(int8_t* p, Vec v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+}
+constexpr int kChains = 4;  // independent dot chains for one token's outputs (int8 tiles)
 #define OFFGRAPH_KV_INT_VECTOR 1
 #elif defined(__AVX2__) && defined(__FMA__)
 using IVec = __m256i;
@@ -157,8 +126,121 @@ inline IVec idot(IVec acc, IVec u8, IVec s8) {
 inline IVec isub(IVec a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 inline Vec ito_float(IVec a) { return _mm256_cvtepi32_ps(a); }
 inline void istore(int32_t* p, IVec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
+inline IVec iadd(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline Vec vround_bf16(Vec v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(int(0xffff0000u))));
+}
+inline Vec vround_half(Vec v) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  alignas(32) float f[8];
+  _mm256_store_ps(f, v);
+  for (float& e : f) e = round_to<Half>(e);
+  return _mm256_load_ps(f);
+#endif
+}
+inline void vstore_int8(int8_t* p, Vec v) {
+  const __m256i i = _mm256_cvtps_epi32(v);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+}
+constexpr int kChains = 2;  // 16 registers: two
 #define OFFGRAPH_KV_INT_VECTOR 1
 #endif
+
+#ifdef OFFGRAPH_KV_INT_VECTOR
+template <int C>
+inline IVec isum(const IVec (&chains)[C]) {
+  IVec s = chains[0];
+  for (int c = 1; c < C; ++c) s = iadd(s, chains[c]);
+  return s;
+}
+#endif
+
+// ----------------------------------------------------------------------------
+// Per-token activation quantization, torchao's (choose_qparams_affine, ASYMMETRIC,
+// then quantize_affine), each op rounded to X as torch's op in X's dtype rounds.
+// ----------------------------------------------------------------------------
+
+template <typename X>
+float smallest_normal();
+template <>
+float smallest_normal<float>() { return std::numeric_limits<float>::min(); }
+template <>
+float smallest_normal<Bf16>() { return std::numeric_limits<float>::min(); }  // bf16 has fp32's exponent
+template <>
+float smallest_normal<Half>() { return 6.103515625e-05f; }
+
+struct QuantRow {
+  float scale;  // the row's scale as torchao stores it (X), widened
+  int32_t zero;
+};
+
+#ifdef OFFGRAPH_KV_INT_VECTOR
+inline Vec vround_to(Vec v, float) { return v; }
+inline Vec vround_to(Vec v, Bf16) { return vround_bf16(v); }
+inline Vec vround_to(Vec v, Half) { return vround_half(v); }
+#endif
+
+// xq[i] for i < k and the sums of every group of `group` values. A non-finite activation makes the
+// row's scale NaN (its outputs NaN: torchao's are NaN or meaningless there too).
+template <typename X>
+QuantRow quantize_row(const X* x, int64_t stride, int64_t k, int64_t group, int8_t* xq, int32_t* sums) {
+  float lo = 0.f, hi = 0.f;
+  bool nan = false;
+  int64_t i = 0;
+#ifdef OFFGRAPH_KV_INT_VECTOR
+  if (stride == 1) {
+    Vec vlo = vzero(), vhi = vzero(), bad = vzero();  // bad: v - v, NaN where v is not finite
+    for (; i + kLanes <= k; i += kLanes) {
+      const Vec v = vload(x + i);
+      vlo = vmin(v, vlo);
+      vhi = vmax(v, vhi);
+      bad = vadd(bad, vsub(v, v));
+    }
+    lo = -vhmax(vsub(vzero(), vlo));
+    hi = vhmax(vhi);
+    nan = std::isnan(vsum(bad));
+  }
+#endif
+  for (; i < k; ++i) {
+    const float v = widen(x[i * stride]);
+    nan |= !std::isfinite(v);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  float scale = round_to<X>(round_to<X>(hi - lo) / 255.f);
+  scale = std::max(scale, smallest_normal<X>());
+  if (nan) scale = std::numeric_limits<float>::quiet_NaN();
+  const float zf = std::min(127.f, std::max(-128.f, -128.f - std::nearbyint(round_to<X>(lo / scale))));
+  const int32_t zero = std::isnan(zf) ? 0 : int32_t(zf);
+  const float inv = round_to<X>(1.f / scale);
+  i = 0;
+#ifdef OFFGRAPH_KV_INT_VECTOR
+  if (stride == 1) {
+    const Vec vinv = vset(inv), vz = vset(float(zero)), top = vset(127.f), bottom = vset(-128.f);
+    for (; i + kLanes <= k; i += kLanes) {
+      const Vec q = vadd(vround(vround_to(vmul(vload(x + i), vinv), X{})), vz);
+      vstore_int8(xq + i, vmin(top, vmax(bottom, q)));
+    }
+  }
+#endif
+  for (; i < k; ++i) {
+    const float q = std::nearbyint(round_to<X>(widen(x[i * stride]) * inv)) + float(zero);
+    xq[i] = std::isnan(q) ? int8_t(-128) : int8_t(std::min(127.f, std::max(-128.f, q)));
+  }
+  for (int64_t g = 0; g < k / group; ++g) {
+    int32_t s = 0;
+    for (int64_t i = 0; i < group; ++i) s += xq[g * group + i];
+    sums[g] = s;
+  }
+  return {scale, zero};
+}
+
 
 struct Tokens {  // the quantized activations of the step's rows
   const int8_t* xq;      // [R, K]
@@ -189,9 +271,13 @@ struct Int4Tiles {
     for (int t = 0; t < T; ++t)
       for (int p = 0; p < kParts; ++p) accf[t][p] = vzero();
     for (int64_t g = 0; g < groups; ++g) {
-      IVec acc[T][kParts];
+      // One token: the low and high nibbles' dots in chains of their own (a single chain waits out
+      // each dot's latency); several tokens are independent chains already.
+      constexpr int C = T == 1 ? 2 : 1;
+      IVec acc[T][kParts][C];
       for (int t = 0; t < T; ++t)
-        for (int p = 0; p < kParts; ++p) acc[t][p] = izero();
+        for (int p = 0; p < kParts; ++p)
+          for (int c = 0; c < C; ++c) acc[t][p][c] = izero();
       for (int64_t j = 0; j < per_group; ++j) {
         const int64_t tile = g * per_group + j;
         const uint8_t* src = base + tile * kTileBytes;
@@ -200,8 +286,8 @@ struct Int4Tiles {
           isplit(iload(src + p * kLanes * 4), &lo, &hi);
           for (int t = 0; t < T; ++t) {
             const int8_t* xt = x.xq + (t0 + t) * x.k + tile * kInputs;
-            acc[t][p] = idot(acc[t][p], lo, ibroadcast(xt));
-            acc[t][p] = idot(acc[t][p], hi, ibroadcast(xt + 4));
+            acc[t][p][0] = idot(acc[t][p][0], lo, ibroadcast(xt));
+            acc[t][p][C - 1] = idot(acc[t][p][C - 1], hi, ibroadcast(xt + 4));
           }
         }
       }
@@ -210,7 +296,7 @@ struct Int4Tiles {
         const Vec s = vload(sc + p * kLanes);
         for (int t = 0; t < T; ++t) {
           const int32_t offset = 8 * x.sums[(t0 + t) * x.groups + g];  // the stored nibbles' +8, for the group
-          accf[t][p] = vfma(ito_float(isub(acc[t][p], offset)), s, accf[t][p]);
+          accf[t][p] = vfma(ito_float(isub(isum(acc[t][p]), offset)), s, accf[t][p]);
         }
       }
     }
@@ -260,19 +346,36 @@ struct Int8Tiles {
       int32_t part[T][kTileRows];
 #ifdef OFFGRAPH_KV_INT_VECTOR
       constexpr int kParts = int(kTileRows / kLanes);
-      IVec acc[T][kParts];
+      // One token: consecutive tiles in chains of their own (see Int4Tiles), indexed by constants only
+      // (an index known at run time keeps the array in memory).
+      constexpr int C = T == 1 ? kChains : 1;
+      IVec acc[T][kParts][C];
       for (int t = 0; t < T; ++t)
-        for (int p = 0; p < kParts; ++p) acc[t][p] = izero();
-      for (int64_t tile = c0; tile < c1; ++tile) {
+        for (int p = 0; p < kParts; ++p)
+          for (int c = 0; c < C; ++c) acc[t][p][c] = izero();
+      auto dots = [&](int64_t tile, auto chain) {
+        constexpr int c = decltype(chain)::value;
         const uint8_t* src = base + tile * kTileBytes;
         for (int p = 0; p < kParts; ++p) {
           const IVec w = iload(src + p * kLanes * 4);
           for (int t = 0; t < T; ++t)
-            acc[t][p] = idot(acc[t][p], ibroadcast(x.xu + (t0 + t) * x.k + tile * kInputs), w);
+            acc[t][p][c] = idot(acc[t][p][c], ibroadcast(x.xu + (t0 + t) * x.k + tile * kInputs), w);
+        }
+      };
+      int64_t tile = c0;
+      if constexpr (C > 1) {
+        for (; tile + C <= c1; tile += C) {
+          dots(tile, std::integral_constant<int, 0>{});
+          dots(tile + 1, std::integral_constant<int, C - 1>{});
+          if constexpr (C == 4) {
+            dots(tile + 2, std::integral_constant<int, 1>{});
+            dots(tile + 3, std::integral_constant<int, 2>{});
+          }
         }
       }
+      for (; tile < c1; ++tile) dots(tile, std::integral_constant<int, 0>{});
       for (int t = 0; t < T; ++t)
-        for (int p = 0; p < kParts; ++p) istore(part[t] + p * kLanes, acc[t][p]);
+        for (int p = 0; p < kParts; ++p) istore(part[t] + p * kLanes, isum(acc[t][p]));
 #else
       for (int t = 0; t < T; ++t) {
         const uint8_t* xt = x.xu + (t0 + t) * x.k;
