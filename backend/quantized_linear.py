@@ -148,6 +148,18 @@ def quantize_per_token(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, tor
     return xq.to(torch.int8), scale, zero.to(torch.int32)
 
 
+def untile_scale(scale: torch.Tensor, outputs: int) -> torch.Tensor:
+    """Inverse of ``pack_int4_tiles``' scale tiling: ``[B, K/G, 16]`` -> ``[outputs, K/G]``."""
+    blocks, groups, _ = scale.shape
+    return scale.transpose(1, 2).reshape(blocks * TILE_ROWS, groups)[:outputs]
+
+
+def _dequantized_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x`` quantized per token and dequantized in its dtype, as torchao's linear sees it."""
+    xq, sx, zero = quantize_per_token(x)
+    return (xq.to(torch.int32) - zero.unsqueeze(-1)).to(x.dtype) * sx.unsqueeze(-1)
+
+
 def int4_da8_integer_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                           rowsum: torch.Tensor) -> torch.Tensor:
     """What the kernel computes, in torch: the integer dot per group (exact, in fp64), then
@@ -155,11 +167,10 @@ def int4_da8_integer_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     n = rowsum.shape[0]
     xq, sx, zero = quantize_per_token(x)
     q = unpack_int4_tiles(packed, n).double()  # [N, K]
-    blocks, groups, _ = scale.shape
+    groups = scale.shape[1]
     g = q.shape[1] // groups
     dots = torch.einsum("rgi,ngi->rng", xq.double().view(-1, groups, g), q.view(n, groups, g)).float()
-    s = scale.transpose(1, 2).reshape(blocks * TILE_ROWS, groups)[:n].float()
-    y = (dots * s).sum(-1) - zero.float().unsqueeze(-1) * rowsum
+    y = (dots * untile_scale(scale, n).float()).sum(-1) - zero.float().unsqueeze(-1) * rowsum
     return (sx.float().unsqueeze(-1) * y).to(x.dtype)
 
 
@@ -167,14 +178,10 @@ def int4_da8_torchao_form(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
                           rowsum: torch.Tensor) -> torch.Tensor:
     """torchao's own computation of the same linear: activations quantized and dequantized in their
     dtype, the weight dequantized in it, then ``mm`` (``x [R, K]``)."""
-    n = rowsum.shape[0]
-    xq, sx, zero = quantize_per_token(x)
-    xd = ((xq.to(torch.int32) - zero.unsqueeze(-1)).to(x.dtype) * sx.unsqueeze(-1))
-    blocks, groups, _ = scale.shape
+    n, groups = rowsum.shape[0], scale.shape[1]
     q = unpack_int4_tiles(packed, n)
-    s = scale.transpose(1, 2).reshape(blocks * TILE_ROWS, groups)[:n]
-    w = (q.view(n, groups, -1).to(x.dtype) * s.to(x.dtype).unsqueeze(-1)).reshape(n, -1)
-    return torch.mm(xd, w.t())
+    w = (q.view(n, groups, -1).to(x.dtype) * untile_scale(scale, n).to(x.dtype).unsqueeze(-1)).reshape(n, -1)
+    return torch.mm(_dequantized_per_token(x), w.t())
 
 
 def int8_da8_integer_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -190,10 +197,8 @@ def int8_da8_integer_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 def int8_da8_torchao_form(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                           wsum: torch.Tensor) -> torch.Tensor:
     """torchao's computation: activations quantized and dequantized, the weight dequantized, ``mm``."""
-    xq, sx, zero = quantize_per_token(x)
-    xd = ((xq.to(torch.int32) - zero.unsqueeze(-1)).to(x.dtype) * sx.unsqueeze(-1))
     w = unpack_int8_tiles(packed, wsum.shape[0]).to(x.dtype) * scale.to(x.dtype).unsqueeze(-1)
-    return torch.mm(xd, w.t())
+    return torch.mm(_dequantized_per_token(x), w.t())
 
 
 # --------------------------------------------------------------------------- #

@@ -22,7 +22,7 @@ from offgraph_kv.backend.aoti_compile import compile_shared_object
 from offgraph_kv.backend.quantized_linear import (int4_da8_integer_rows, int4_da8_torchao_form,
                                                   int8_da8_integer_rows, int8_da8_torchao_form, pack_int4_tiles,
                                                   pack_int8_tiles, quantize_per_token, unpack_int4_tiles,
-                                                  unpack_int8_tiles)
+                                                  unpack_int8_tiles, untile_scale)
 
 # (activation dtype, scale dtype) of the calls
 CALLS = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)]
@@ -110,7 +110,7 @@ def test_int4_tiles_round_trip_and_pad_the_last_tile_with_zero_rows():
     assert packed.shape == (3, 8, 64) and scale.shape == (3, 2, 16) and rowsum.shape == (37,)
     assert torch.equal(unpack_int4_tiles(packed, 37), q)
     assert torch.equal(unpack_int4_tiles(packed, 48)[37:], torch.zeros(11, 64, dtype=torch.int8))
-    assert torch.equal(scale.transpose(1, 2).reshape(48, 2)[:37], s)
+    assert torch.equal(untile_scale(scale, 37), s)
     w = q.double() * s.double().repeat_interleave(32, dim=1)
     torch.testing.assert_close(rowsum, w.sum(1).float())
     with pytest.raises(ValueError, match="multiple of 8"):
