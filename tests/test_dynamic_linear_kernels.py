@@ -10,8 +10,6 @@ activations, fp32 / bf16 / fp16 activations and scales, one and two threads.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import List, Tuple
 
 import pytest
@@ -57,7 +55,7 @@ def _inputs(rows: int, k: int, n: int, group: int, seed: int) -> List[torch.Tens
 
 
 @pytest.fixture(scope="module", params=[32, 8], ids=["group32", "group8"])
-def compiled(request) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]":
+def compiled(request, tmp_path_factory) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]":
     group = request.param
     args = _inputs(3, 4 * group, 20, group, 0)
     r, b, n = Dim("rows", min=1, max=512), Dim("blocks", min=1, max=8192), Dim("n", min=1, max=1 << 17)
@@ -66,7 +64,7 @@ def compiled(request) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]
               {0: b, 1: (group // 4) * kg}, {0: n}, {0: n})
     program = torch.export.export(_Calls(), tuple(args), dynamic_shapes=shapes)
     code = compile_shared_object(program, args, "cpu")
-    path = Path(tempfile.mkdtemp(prefix="offgraph_kv_da8_")) / "calls.so"
+    path = tmp_path_factory.mktemp("dynamic_linear") / "calls.so"
     path.write_bytes(code.so_bytes)
     return torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1), group
 

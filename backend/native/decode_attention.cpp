@@ -202,6 +202,17 @@ inline float softmax_block(float* l, int64_t n, float* peak, float* total) {
   return rescale;
 }
 
+// The head slices (bytes long) of rows [s, s + n) into the outer caches ahead of their use (the next
+// block's rows while this block's are read). From memory the kernel read at a third of one core's
+// stream bandwidth without it: 30 layers x 2,000 SmolLM2 rows (46 MB) took 8.8-10.7 ms, 4.3-5.3
+// GB/s against 16.5 GB/s for a plain read, on an AMD EPYC (Zen 4). Prefetching into L1 (locality 3)
+// gained only 10-15 %; into L2 / L3 (locality 1): 3.3-3.5 ms, 13-14 GB/s.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t row, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + j * row) + b, 0, 1);
+}
+
 // Rows [begin, end) of every head into `part`. Queries are [H_kv, R, kd] at q
 // (head stride q_head, row stride q_row, elements dense). KD / VD fix the head
 // dims at compile time (0: read kd / vd), so the common ones are fixed-length loops.
@@ -215,17 +226,26 @@ void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, i
     // Every head of kRun rows before the next rows: the block streams through
     // memory in order (head by head over all 64 rows, the hardware prefetchers
     // fell behind: 8,000 rows from DRAM took 1.1x as long).
+    // The next block's rows, run by run, as this block's are read.
+    const int64_t ahead = std::min(kBlock, std::max<int64_t>(0, end - s0 - kBlock));
     for (int64_t j = 0; j < n; j += kRun)
-      for (int64_t h = 0; h < heads; ++h)
+      for (int64_t h = 0; h < heads; ++h) {
+        if (j < ahead)
+          prefetch_rows(k.base + (s0 + kBlock + j) * k.row + h * k.head, k.row, std::min(kRun, ahead - j),
+                        kd * int64_t(sizeof(T)));
         in_passes(r, [&](auto nq, int64_t g) {
           dots<decltype(nq)::value, KD>(q + h * q_head + g * q_row, q_row, k.base + (s0 + j) * k.row + h * k.head,
                                         k.row, std::min(kRun, n - j), kd, scale,
                                         logits.data() + (h * r + g) * kBlock + j);
         });
+      }
     for (int64_t i = 0; i < queries; ++i)
       rescale[i] = softmax_block(logits.data() + i * kBlock, n, &part.peak[i], &part.total[i]);
     for (int64_t j = 0; j < n; j += kRun)
-      for (int64_t h = 0; h < heads; ++h)
+      for (int64_t h = 0; h < heads; ++h) {
+        if (j < ahead)
+          prefetch_rows(v.base + (s0 + kBlock + j) * v.row + h * v.head, v.row, std::min(kRun, ahead - j),
+                        vd * int64_t(sizeof(T)));
         in_passes(r, [&](auto nq, int64_t g) {
           const int64_t i = h * r + g;
           // The earlier rows' factor applies once per block, at its first run.
@@ -233,6 +253,7 @@ void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, i
                                          v.base + (s0 + j) * v.row + h * v.head, v.row, std::min(kRun, n - j), vd,
                                          part.acc.data() + i * vd, vd);
         });
+      }
   }
 }
 
