@@ -255,6 +255,7 @@ struct Tokens {  // the quantized activations of the step's rows
 template <typename S>
 struct Int4Tiles {
   static constexpr int64_t kInputs = 8;  // per tile
+  static constexpr int64_t kMaxGroup = 1 << 20;  // a group's dot fits int32: 15 * 128 * 2^20 < 2^31
   const uint8_t* packed;
   const S* scale;
   const float* rowsum;
@@ -459,12 +460,12 @@ bool fills(int64_t outputs, int64_t blocks) {
 
 AOTITorchError int4_da8_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle scale,
                                AtenTensorHandle rowsum, AtenTensorHandle* ret) {
-  constexpr int64_t kInputs = Int4Tiles<float>::kInputs;
+  constexpr int64_t kInputs = Int4Tiles<float>::kInputs, kMaxGroup = Int4Tiles<float>::kMaxGroup;
   View pv, sv, rv, xv;
   if (!tiles(packed, aoti_torch_dtype_uint8(), kInputs, &pv)) return AOTI_TORCH_FAILURE;
   const int64_t blocks = pv.sizes[0], k = pv.sizes[1] * kInputs;
   if (!view_of(scale, 3, &sv) || !contiguous(sv) || sv.sizes[0] != blocks || sv.sizes[2] != kTileRows ||
-      sv.sizes[1] < 1 || k % sv.sizes[1] || (k / sv.sizes[1]) % kInputs)
+      sv.sizes[1] < 1 || k % sv.sizes[1] || (k / sv.sizes[1]) % kInputs || k / sv.sizes[1] > kMaxGroup)
     return AOTI_TORCH_FAILURE;
   const int64_t groups = sv.sizes[1];
   if (!view_of(rowsum, 1, &rv) || !contiguous(rv) || rv.dtype != aoti_torch_dtype_float32() ||
