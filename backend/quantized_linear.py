@@ -301,26 +301,20 @@ def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: Optional
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
-@torch.library.custom_op("offgraph_kv::int4_da8_linear", mutates_args=())
-def int4_da8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rowsum: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    return int4_da8_torchao_form(rows, packed, scale, rowsum).reshape(*x.shape[:-1], rowsum.shape[0])
+def _dynamic_activation_op(name: str, torchao_form: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``offgraph_kv::<name>(x, packed, scale, sums)``, ``sums [N]`` one per output (the row sums of
+    either layout); eager: torchao's form over ``x``'s rows."""
+    def eager(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return torchao_form(rows, packed, scale, sums).reshape(*x.shape[:-1], sums.shape[0])
+
+    op = torch.library.custom_op(f"offgraph_kv::{name}", eager, mutates_args=())
+    op.register_fake(lambda x, packed, scale, sums: x.new_empty(*x.shape[:-1], sums.shape[0]))
+    return op
 
 
-@int4_da8_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rowsum: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], rowsum.shape[0])
-
-
-@torch.library.custom_op("offgraph_kv::int8_da8_linear", mutates_args=())
-def int8_da8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    return int8_da8_torchao_form(rows, packed, scale, wsum).reshape(*x.shape[:-1], wsum.shape[0])
-
-
-@int8_da8_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], wsum.shape[0])
+int4_da8_linear = _dynamic_activation_op("int4_da8_linear", int4_da8_torchao_form)
+int8_da8_linear = _dynamic_activation_op("int8_da8_linear", int8_da8_torchao_form)
 
 
 # --------------------------------------------------------------------------- #

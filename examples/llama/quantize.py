@@ -19,13 +19,13 @@ carries outside the code:
 - ``8da4w``: int8 dynamic activations, quantized per token, with symmetric
   int4 weights in groups (torchao ``Int8DynamicActivationIntxWeightConfig(
   weight_dtype=torch.int4, PerGroup)``, ExecuTorch's usual scheme for LLMs on
-  CPU), run as ``offgraph_kv::int4_da8_linear`` (``Int4DynamicLinear``): on CPU
+  CPU), run as ``offgraph_kv::int4_da8_linear`` (``DynamicLinear``): on CPU
   every step width is one integer-dot kernel over the weights in tiles, as
   llama.cpp's Q4_0 dots its int8-quantized activations;
 - ``8da8w``: the same activations with int8 weights, one scale per output row
   (``Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8,
   PerAxis(0))``), run as ``offgraph_kv::int8_da8_linear``
-  (``Int8DynamicLinear``), llama.cpp's Q8_0 x Q8_0 in kind.
+  (``DynamicLinear``), llama.cpp's Q8_0 x Q8_0 in kind.
 
 ``int8`` and ``int4`` keep the activations in the model's dtype (weight-only);
 ``8da4w`` / ``8da8w`` change the arithmetic (activations rounded to 8 bits per
@@ -145,41 +145,28 @@ class Int4GroupLinear(_BackendLinear):
         return torch.ops.offgraph_kv.int4_linear(x, self.packed, self.scale, self.zero)
 
 
-class Int4DynamicLinear(_BackendLinear):
-    """A torchao 8da4w linear as ``offgraph_kv::int4_da8_linear``: the int4 values in the kernel's
-    tiles (``pack_int4_tiles``), their scales beside them, and each output row's dequantized sum (the
-    activations' zero point meets it once per row, not once per weight)."""
+class DynamicLinear(_BackendLinear):
+    """A torchao 8da4w / 8da8w linear as ``offgraph_kv::int4_da8_linear`` / ``int8_da8_linear``: the
+    integer values in the kernel's tiles (``pack_int4_tiles`` / ``pack_int8_tiles``), their scales beside
+    them, and each output row's sum (the activations' zero point meets it once per row, not once per
+    weight). ``group_size``: int4 groups; None: int8 with a scale a row."""
 
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, group_size: int,
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, group_size: Optional[int],
                  bias: Optional[torch.Tensor]) -> None:
         super().__init__(qdata, bias)
-        packed, tiled_scale, rowsum = pack_int4_tiles(qdata, scale.reshape(self.out_features, -1), group_size)
+        self.four_bit = group_size is not None
+        if group_size is not None:
+            packed, tiled_scale, sums = pack_int4_tiles(qdata, scale.reshape(self.out_features, -1), group_size)
+        else:
+            packed, tiled_scale, sums = pack_int8_tiles(qdata, scale)
         self.register_buffer("packed", packed)
         self.register_buffer("scale", tiled_scale)
-        self.register_buffer("rowsum", rowsum)
-
-    kernel_operands = ("packed", "scale", "rowsum")
+        self.register_buffer("sums", sums)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.offgraph_kv.int4_da8_linear(x, self.packed, self.scale, self.rowsum)
-
-
-class Int8DynamicLinear(_BackendLinear):
-    """A torchao 8da8w linear as ``offgraph_kv::int8_da8_linear``: the int8 values in the kernel's tiles
-    (``pack_int8_tiles``), a scale per output row and each row's sum of values (which the activations'
-    zero point meets once per row)."""
-
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
-        super().__init__(qdata, bias)
-        packed, row_scale, wsum = pack_int8_tiles(qdata, scale)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scale", row_scale)
-        self.register_buffer("wsum", wsum)
-
-    kernel_operands = ("packed", "scale", "wsum")
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.offgraph_kv.int8_da8_linear(x, self.packed, self.scale, self.wsum)
+        ops = torch.ops.offgraph_kv
+        op = ops.int4_da8_linear if self.four_bit else ops.int8_da8_linear
+        return op(x, self.packed, self.scale, self.sums)
 
 
 def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> None:
@@ -198,7 +185,7 @@ def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> No
                 if scheme == "int8":
                     setattr(parent, name, Int8RowLinear(w.qdata, w.scale.to(act), child.bias))
                 else:
-                    setattr(parent, name, Int8DynamicLinear(w.qdata, w.scale.to(act), child.bias))
+                    setattr(parent, name, DynamicLinear(w.qdata, w.scale.to(act), None, child.bias))
             else:
                 if tuple(w.block_size) != (1, group_size):
                     raise ValueError(f"quantize {scheme}: {name} has blocks {tuple(w.block_size)}, "
@@ -210,7 +197,7 @@ def _use_backend_ops(model: torch.nn.Module, scheme: str, group_size: int) -> No
                     raise ValueError(f"quantize 8da4w: {name} has nonzero zero points; the kernel's weights are "
                                      "symmetric")
                 else:
-                    setattr(parent, name, Int4DynamicLinear(w.qdata, w.scale.to(act), group_size, child.bias))
+                    setattr(parent, name, DynamicLinear(w.qdata, w.scale.to(act), group_size, child.bias))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
