@@ -7,8 +7,6 @@ groups, lengths on both sides of the softmax block and of a thread's share.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import List, Tuple
 
 import pytest
@@ -54,13 +52,13 @@ def _inputs(heads: int, groups: int, rows: int, seed: int) -> List[torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def compiled_calls() -> "torch._C._aoti.AOTIModelContainerRunnerCpu":
+def compiled_calls(tmp_path_factory: pytest.TempPathFactory) -> "torch._C._aoti.AOTIModelContainerRunnerCpu":
     args = _inputs(2, 3, 70, 0)
     s, h, r = Dim("rows", min=1, max=1 << 20), Dim("heads", min=1, max=64), Dim("groups", min=1, max=64)
     shapes = [({1: h, 2: r}, {1: s, 2: h}, {1: s, 2: h}) for _ in CASES]
     program = torch.export.export(_Calls(), tuple(args), dynamic_shapes=tuple(x for c in shapes for x in c))
     code = compile_shared_object(program, args, "cpu")
-    path = Path(tempfile.mkdtemp(prefix="offgraph_kv_kernel_")) / "calls.so"
+    path = tmp_path_factory.mktemp("offgraph_kv_kernel") / "calls.so"
     path.write_bytes(code.so_bytes)
     return torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
 

@@ -9,8 +9,6 @@ activations.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import List, Tuple
 
 import pytest
@@ -70,7 +68,7 @@ def _expected(args: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 @pytest.fixture(scope="module", params=[32, 8], ids=["group32", "group8"])
-def compiled(request) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]":
+def compiled(request, tmp_path_factory) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]":
     group = request.param  # 32: each half-group whole vectors; 8: shorter than a vector (the scalar form)
     args = _inputs(2, 4 * group, 12, group, 0)
     r, n = Dim("rows", min=1, max=64), Dim("n", min=1, max=1 << 20)
@@ -80,7 +78,7 @@ def compiled(request) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]
               {0: n, 1: kg}, {0: n, 1: kg}, {0: n, 1: kg})
     program = torch.export.export(_Calls(), tuple(args), dynamic_shapes=shapes)
     code = compile_shared_object(program, args, "cpu")
-    path = Path(tempfile.mkdtemp(prefix="offgraph_kv_linear_")) / "calls.so"
+    path = tmp_path_factory.mktemp("offgraph_kv_linear") / "calls.so"
     path.write_bytes(code.so_bytes)
     return torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1), group
 
