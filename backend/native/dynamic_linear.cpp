@@ -241,7 +241,6 @@ QuantRow quantize_row(const X* x, int64_t stride, int64_t k, int64_t group, int8
   return {scale, zero};
 }
 
-
 struct Tokens {  // the quantized activations of the step's rows
   const int8_t* xq;      // [R, K]
   const uint8_t* xu;     // [R, K]: xq + 128 (int8 weights: VNNI's unsigned operand), or null
