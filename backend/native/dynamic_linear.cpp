@@ -65,15 +65,17 @@ constexpr int64_t kTilesPerThread = 32;  // a thread below this many tiles of ou
 // kLanes 32-bit lanes: 16 outputs per register on AVX-512, 8 on AVX2 (two per tile).
 // ----------------------------------------------------------------------------
 
+inline int32_t load4(const void* p) {  // four bytes, any alignment
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 #if defined(__AVX512BW__)
 using IVec = __m512i;
 inline IVec izero() { return _mm512_setzero_si512(); }
 inline IVec iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline IVec ibroadcast(const void* p) {  // four bytes to every lane
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
+inline IVec ibroadcast(const void* p) { return _mm512_set1_epi32(load4(p)); }  // four bytes to every lane
 inline void isplit(IVec w, IVec* lo, IVec* hi) {
   const IVec m = _mm512_set1_epi8(15);
   *lo = _mm512_and_si512(w, m);
@@ -110,11 +112,7 @@ constexpr int kChains = 4;  // independent dot chains for one token's outputs (i
 using IVec = __m256i;
 inline IVec izero() { return _mm256_setzero_si256(); }
 inline IVec iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline IVec ibroadcast(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+inline IVec ibroadcast(const void* p) { return _mm256_set1_epi32(load4(p)); }
 inline void isplit(IVec w, IVec* lo, IVec* hi) {
   const IVec m = _mm256_set1_epi8(15);
   *lo = _mm256_and_si256(w, m);
@@ -457,10 +455,30 @@ bool fills(int64_t outputs, int64_t blocks) {
   return outputs > (blocks - 1) * kTileRows && outputs <= blocks * kTileRows;
 }
 
+// The activations' dtype and the scales' (scale_dtype) resolved, a new output made, then linear()
+// over the weights format(S{}) describes; the one tail of both entry points.
+template <typename Format>
+AOTITorchError rows_through(AtenTensorHandle x, int32_t scale_dtype, int64_t k, int64_t outputs, int64_t group,
+                            bool unsigned_x, AtenTensorHandle* ret, Format&& format) {
+  View xv;
+  AtenTensorHandle out = nullptr;
+  void* y = nullptr;
+  if (!activations(x, k, outputs, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
+  bool ok = false;
+  with_float_type(xv.dtype, [&](auto xt) {
+    using X = decltype(xt);
+    ok = with_float_type(scale_dtype, [&](auto st) {
+      linear(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], outputs, group, unsigned_x,
+             format(st), static_cast<X*>(y));
+    });
+  });
+  return finish(ok, out, ret);
+}
+
 AOTITorchError int4_da8_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle scale,
                                AtenTensorHandle rowsum, AtenTensorHandle* ret) {
   constexpr int64_t kInputs = Int4Tiles<float>::kInputs, kMaxGroup = Int4Tiles<float>::kMaxGroup;
-  View pv, sv, rv, xv;
+  View pv, sv, rv;
   if (!tiles(packed, aoti_torch_dtype_uint8(), kInputs, &pv)) return AOTI_TORCH_FAILURE;
   const int64_t blocks = pv.sizes[0], k = pv.sizes[1] * kInputs;
   if (!view_of(scale, 3, &sv) || !contiguous(sv) || sv.sizes[0] != blocks || sv.sizes[2] != kTileRows ||
@@ -471,48 +489,28 @@ AOTITorchError int4_da8_linear(AtenTensorHandle x, AtenTensorHandle packed, Aten
       !fills(rv.sizes[0], blocks))  // the tiles' rows past rowsum's are padding
     return AOTI_TORCH_FAILURE;
   const int64_t outputs = rv.sizes[0];
-  AtenTensorHandle out = nullptr;
-  void* y = nullptr;
-  if (!activations(x, k, outputs, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
-  bool ok = false;
-  with_float_type(xv.dtype, [&](auto xt) {
-    using X = decltype(xt);
-    ok = with_float_type(sv.dtype, [&](auto st) {
-      using S = decltype(st);
-      const Int4Tiles<S> w{static_cast<const uint8_t*>(pv.data), static_cast<const S*>(sv.data),
-                           static_cast<const float*>(rv.data), k, groups, k / groups};
-      linear(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], outputs, k / groups, false,
-             w, static_cast<X*>(y));
-    });
+  return rows_through(x, sv.dtype, k, outputs, k / groups, false, ret, [&](auto st) {
+    using S = decltype(st);
+    return Int4Tiles<S>{static_cast<const uint8_t*>(pv.data), static_cast<const S*>(sv.data),
+                        static_cast<const float*>(rv.data), k, groups, k / groups};
   });
-  return finish(ok, out, ret);
 }
 
 AOTITorchError int8_da8_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle scale,
                                AtenTensorHandle wsum, AtenTensorHandle* ret) {
   constexpr int64_t kInputs = Int8Tiles<float>::kInputs;
-  View pv, sv, wv, xv;
+  View pv, sv, wv;
   if (!tiles(packed, aoti_torch_dtype_int8(), kInputs, &pv)) return AOTI_TORCH_FAILURE;
   const int64_t blocks = pv.sizes[0], k = pv.sizes[1] * kInputs;
   if (!view_of(wsum, 1, &wv) || !contiguous(wv) || wv.dtype != aoti_torch_dtype_int32() || !fills(wv.sizes[0], blocks))
     return AOTI_TORCH_FAILURE;
   const int64_t outputs = wv.sizes[0];
   if (!view_of(scale, 1, &sv) || !contiguous(sv) || sv.sizes[0] != outputs) return AOTI_TORCH_FAILURE;
-  AtenTensorHandle out = nullptr;
-  void* y = nullptr;
-  if (!activations(x, k, outputs, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
-  bool ok = false;
-  with_float_type(xv.dtype, [&](auto xt) {
-    using X = decltype(xt);
-    ok = with_float_type(sv.dtype, [&](auto st) {
-      using S = decltype(st);
-      const Int8Tiles<S> w{static_cast<const int8_t*>(pv.data), static_cast<const S*>(sv.data),
-                           static_cast<const int32_t*>(wv.data), k, outputs};
-      linear(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], outputs, k, true, w,
-             static_cast<X*>(y));
-    });
+  return rows_through(x, sv.dtype, k, outputs, k, true, ret, [&](auto st) {
+    using S = decltype(st);
+    return Int8Tiles<S>{static_cast<const int8_t*>(pv.data), static_cast<const S*>(sv.data),
+                        static_cast<const int32_t*>(wv.data), k, outputs};
   });
-  return finish(ok, out, ret);
 }
 
 }  // namespace
