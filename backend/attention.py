@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import offgraph_kv.backend.cpu_kernels  # noqa: F401  (registers offgraph_kv::rows_attend_with_lse)
+import offgraph_kv.backend.cpu_kernels  # noqa: F401  (registers offgraph_kv::rows_attend_causal)
 from offgraph_kv.backend.switches import switch
 from offgraph_kv.backend.width_branch import by_width
 
@@ -275,21 +275,6 @@ def _cpu_decode_lowering() -> str:
     return switch(CPU_ENV_SWITCH, CPU_DECODE_LOWERINGS, "rows")
 
 
-def _rows_decode_or_fused(step_width: "int | torch.SymInt", q: torch.Tensor, keys: torch.Tensor,
-                          values: torch.Tensor, scale: float) -> "tuple[torch.Tensor, torch.Tensor]":
-    """CPU: a one-token step through our kernel over the stored rows, as stored
-    (``offgraph_kv::rows_attend_with_lse``); a wider step through ATen's fused
-    fp32 kernel, whose GEMMs pay once many queries share the rows (16-bit rows
-    converted first, only those the step sees)."""
-    def wide(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
-        if b.dtype != torch.float32:
-            return _converted_attention_with_lse(a, b, c, scale)
-        return _dense(*torch.ops.offgraph_kv.attend_with_lse(a, b, c, scale))
-
-    return by_width(step_width, lambda a, b, c: torch.ops.offgraph_kv.rows_attend_with_lse(a, b, c, scale),
-                    wide, (q, keys, values))
-
-
 def _cpu_reads_16bit() -> bool:
     return _cpu_decode_lowering() != "convert"
 
@@ -312,11 +297,14 @@ def attend_flat(
     _, hq, t, _ = q.shape
     s, hkv = keys.shape[2], keys.shape[1]
     folded = _fold_groups(q, hkv)  # row r = g * T + i
+    if q.device.type == "cpu" and _cpu_decode_lowering() == "rows":
+        # The whole step, any width, in our kernel: the rows read as stored, the causal
+        # band by row arithmetic; its output is dense, so the unfold is a view.
+        out = torch.ops.offgraph_kv.rows_attend_causal(folded, keys, values, scale, hq // hkv)
+        return out.view(1, hq, t, out.shape[-1]).to(out_dtype)
     seen = s - t + 1  # rows every query sees: the history and the step's first row (never empty)
     k_a, v_a = keys.narrow(2, 0, seen), values.narrow(2, 0, seen)
-    if q.device.type == "cpu" and _cpu_decode_lowering() == "rows":
-        out_a, lse_a = _rows_decode_or_fused(t, folded, k_a, v_a, scale)
-    elif q.device.type == "cpu" and keys.dtype != torch.float32:  # 16-bit, as stored
+    if q.device.type == "cpu" and keys.dtype != torch.float32:  # 16-bit, as stored
         out_a, lse_a = _history_16bit(t, folded, k_a, v_a, scale, hq // hkv)
     else:
         out_a, lse_a = torch.ops.offgraph_kv.attend_with_lse(folded, k_a, v_a, scale)

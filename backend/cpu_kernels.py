@@ -1,7 +1,7 @@
-"""Kernels of our own in CPU programs: the decode attention over the store's
-rows, and the decode linears over the stored weights.
+"""Kernels of our own in CPU programs: the attention over the store's rows
+(any step width), and the decode linears over the stored weights.
 
-The ops (``offgraph_kv::rows_attend_with_lse``, ``linear_rows``,
+The ops (``offgraph_kv::rows_attend_causal``, ``rows_attend_with_lse``, ``linear_rows``,
 ``int8_linear_rows``, ``int4_linear_rows``, ``int4z_linear_rows``,
 ``int4_da8_linear_rows``, ``int8_da8_linear_rows``) stay whole
 through export. AOTInductor then calls each as a C function
@@ -25,12 +25,15 @@ from typing import Dict, List
 import torch
 
 SOURCES = tuple(Path(__file__).parent / "native" / n
-                for n in ("decode_attention.cpp", "decode_linear.cpp", "dynamic_linear.cpp"))
+                for n in ("rows_attention.cpp", "decode_linear.cpp", "dynamic_linear.cpp"))
 HEADERS = tuple(Path(__file__).parent / "native" / n
                 for n in ("float16.h", "linear_call.h", "shim_view.h", "vec.h"))  # included besides torch's
 
 _LIB = torch.library.Library("offgraph_kv", "FRAGMENT")
 _LIB.define("rows_attend_with_lse(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
+# A flat layer's whole step: q [1, H_kv, groups * T, D] (row g * T + i) over the S stored rows, the
+# step's own the last T, lower-right causal (query i sees rows 0 .. S - T + i).
+_LIB.define("rows_attend_causal(Tensor q, Tensor k, Tensor v, float scale, int groups) -> Tensor")
 # The decode linears: x [R, K] (fp32, bf16 or fp16) -> [R, N] of x's dtype, fp32 accumulation.
 _LIB.define("linear_rows(Tensor x, Tensor w) -> Tensor")
 _LIB.define("int8_linear_rows(Tensor x, Tensor qdata, Tensor scale) -> Tensor")
@@ -46,6 +49,8 @@ _H = "AtenTensorHandle"
 C_SHIMS = {
     "rows_attend_with_lse": f"AOTITorchError aoti_torch_cpu_rows_attend_with_lse({_H} q, {_H} k, {_H} v, "
                             f"double scale, {_H}* ret0, {_H}* ret1)",
+    "rows_attend_causal": f"AOTITorchError aoti_torch_cpu_rows_attend_causal({_H} q, {_H} k, {_H} v, "
+                          f"double scale, int64_t groups, {_H}* ret0)",
     "linear_rows": f"AOTITorchError aoti_torch_cpu_linear_rows({_H} x, {_H} w, {_H}* ret0)",
     "int8_linear_rows": f"AOTITorchError aoti_torch_cpu_int8_linear_rows({_H} x, {_H} q, {_H} scale, {_H}* ret0)",
     "int4_linear_rows": f"AOTITorchError aoti_torch_cpu_int4_linear_rows({_H} x, {_H} packed, {_H} scale, "
@@ -71,6 +76,28 @@ def rows_attend_with_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 _LIB.impl("rows_attend_with_lse", rows_attend_with_lse_reference, "CompositeExplicitAutograd")
+
+
+def causal_mask(rows: int, t: int, groups: int) -> torch.Tensor:
+    """``[groups * t, rows]``: query row ``g * t + i`` sees stored rows ``0 .. rows - t + i``."""
+    i = torch.arange(groups * t) % t
+    return torch.arange(rows).unsqueeze(0) <= (rows - t + i).unsqueeze(1)
+
+
+def rows_attend_causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                                 groups: int) -> torch.Tensor:
+    """What the kernel computes: queries ``[1, H_kv, groups * T, D]`` over ``k``, ``v``
+    ``[1, H_kv, S, D]`` (the step's rows the last ``T``), lower-right causal, in fp32;
+    the fp32 output ``[1, H_kv, groups * T, Dv]``, contiguous."""
+    from offgraph_kv.backend.attention import _explicit_attention  # attention.py imports this module
+
+    mask = causal_mask(k.shape[2], q.shape[2] // groups, groups).to(q.device)
+    return _explicit_attention(q.float(), k, v, scale, mask)[0].contiguous()
+
+
+_LIB.impl("rows_attend_causal", rows_attend_causal_reference, "CompositeExplicitAutograd")
+torch.library.register_fake("offgraph_kv::rows_attend_causal")(
+    lambda q, k, v, scale, groups: q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float32))
 
 
 @torch.library.register_fake("offgraph_kv::rows_attend_with_lse")
