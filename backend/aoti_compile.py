@@ -115,7 +115,7 @@ embed_each_kernel_in_its_own_object()
 import executorch.exir.passes.dim_order_ops_registry  # ops edge dialect leaves in the graph
 from offgraph_kv.backend.attention import COMPILE_DECOMPOSITIONS
 import offgraph_kv.backend.triton_attention  # registers offgraph_kv::update_attend before the program loads
-from offgraph_kv.backend.cpu_kernels import shim_options  # registers offgraph_kv::rows_attend_with_lse
+from offgraph_kv.backend.cpu_kernels import shim_options  # registers the CPU kernels' ops (rows_attend_causal, ...)
 ep = torch.export.load(sys.argv[1])
 if sys.argv[4] == "cuda":
     try:

@@ -10,23 +10,25 @@ other program's path.)
   sees rows up to S - T + i) and drops for a one-token step. A decode step is
   one split-KV kernel per layer over K/V in the store's own layout, GQA
   native: no copy of the queries, nothing after the kernel.
-- CPU, and CUDA fp32 (this op's fp32 kernel, efficient attention, aligns its
-  causal mask upper-left): the T queries all see the history and the step's
-  first row, so that part goes to a mask-free fused kernel that also returns
-  each query's log-sum-exp; the step's other T - 1 rows (a strictly lower
-  triangle, T x T at most) are attended directly and merged by log-sum-exp.
-  On CPU a decode step's part goes to our own kernel over the stored rows,
-  any storage dtype read as stored (``cpu_kernels.py``: each row read once for
-  every head; a bf16-KV SmolLM2 step at 8,000 rows takes 0.73x the reductions'
-  time, no measurable change at 200-2,000 rows,
-  benchmarks/results/cpu_attention_bandwidth.md); a
-  wider step keeps ATen's fused fp32 kernel, 16-bit rows converted first, only
-  those it sees. (``OFFGRAPH_KV_CPU_ATTENTION`` keeps the earlier lowerings:
-  fp32 decode through the fused kernel, 16-bit decode through reductions that
-  widen each element as it is loaded, ``reduced_attention_with_lse``.)
+- CPU: one call of our kernel per step, any width (``cpu_kernels.py``,
+  ``offgraph_kv::rows_attend_causal``): the stored rows read as stored (fp32,
+  bf16 or fp16), each read once for every query of its KV head, the step's own
+  rows masked lower-right by row arithmetic. A decode step reads the rows in
+  registers (a bf16-KV SmolLM2 step at 8,000 rows took 0.73x the reductions'
+  time, benchmarks/results/cpu_attention_bandwidth.md); a wider step widens
+  each block once into scratch and runs register tiles over it, which also
+  removed the fp32 copy of the rows that ATen's fused kernel needed.
+  (``OFFGRAPH_KV_CPU_ATTENTION`` keeps the earlier lowerings below.)
+- CUDA fp32, and CPU under the earlier lowerings (this op's fp32 kernel,
+  efficient attention, aligns its causal mask upper-left): the T queries all
+  see the history and the step's first row, so that part goes to a mask-free
+  fused kernel that also returns each query's log-sum-exp; the step's other
+  T - 1 rows (a strictly lower triangle, T x T at most) are attended directly
+  and merged by log-sum-exp. (CPU decode under ``direct``: reductions that
+  widen each 16-bit element as it is loaded, ``reduced_attention_with_lse``.)
 
-Either way one program serves every step width (the CPU choice above is a
-``torch.cond`` on the width, a branch in the compiled code); the
+Either way one program serves every step width (the earlier CPU lowerings'
+choice is a ``torch.cond`` on the width, a branch in the compiled code); the
 masked kernels would run at 2-3 % of memory bandwidth at 32K context on the
 H200. Ring layers keep an explicit band mask: their window is small.
 """
@@ -259,9 +261,10 @@ def _history_16bit(step_width: "int | torch.SymInt", q: torch.Tensor, keys: torc
 
 
 # ``OFFGRAPH_KV_CPU_ATTENTION`` (read at export) picks the CPU lowering of a
-# flat layer's decode step: ``rows`` (the default), our kernel over the stored
-# rows (``cpu_kernels.py``), any storage dtype; the others keep ATen's fused
-# kernel for fp32 storage and, for 16-bit storage, ``direct`` (the reductions
+# flat layer's step: ``rows`` (the default), our kernel over the stored rows
+# for every width (``cpu_kernels.py``), any storage dtype; the others keep
+# ATen's fused kernel for wide steps and fp32 decode and, for 16-bit decode,
+# ``direct`` (the reductions
 # above); ``grouped``, ``grouped_decode_attention_with_lse`` (8 SmolLM2-shaped
 # layers, in turns: 1.03x / 1.00x / 0.81x direct's decode step at 200 / 2,000 /
 # 8,000 rows, benchmarks/results/cpu_attention_grouped.json); ``convert``, the

@@ -130,8 +130,9 @@ def kv_bytes(element_bytes: int, rows: int, layers: int = 30, kv_heads: int = 3,
     return 2 * layers * kv_heads * head_dim * element_bytes * rows
 
 
-def worker_cmd(name: str, path: str, threads: int, *extra: str) -> List[str]:
-    return [sys.executable, "-m", "benchmarks.lib.peer_worker", "--kind", PROGRAMS[name][0], "--path", path,
+def worker_cmd(name: str, path: str, threads: int, *extra: str, kind: Optional[str] = None) -> List[str]:
+    """``kind``: the worker's program kind, by default the named peer program's."""
+    return [sys.executable, "-m", "benchmarks.lib.peer_worker", "--kind", kind or PROGRAMS[name][0], "--path", path,
             "--threads", str(threads), *extra]
 
 
@@ -165,10 +166,10 @@ def warm_page_cache(path: str) -> None:
 class Worker:
     """A serving ``peer_worker`` process: one JSON command a line in, one ``@@`` line out."""
 
-    def __init__(self, name: str, path: str, threads: int, log: Path) -> None:
+    def __init__(self, name: str, path: str, threads: int, log: Path, kind: Optional[str] = None) -> None:
         self.name = name
         self.err = open(log, "a")
-        self.proc = subprocess.Popen(worker_cmd(name, path, threads), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(worker_cmd(name, path, threads, kind=kind), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.err, text=True, cwd=REPO)
 
     def read(self) -> Dict[str, object]:

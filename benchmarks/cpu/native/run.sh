@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The CPU kernels alone, outside a compiled program: a kernel of the working tree against the same
 # file at another git revision, in turns (shared cores drift; turns make it land on both alike).
-#   bash benchmarks/cpu/native/run.sh attention_from_memory REV [rounds]   # decode_attention.cpp
+#   bash benchmarks/cpu/native/run.sh attention_from_memory REV [rounds]   # rows_attention.cpp (decode)
+#   bash benchmarks/cpu/native/run.sh wide_attention REV [rounds]          # rows_attention.cpp (64-wide steps)
 #   bash benchmarks/cpu/native/run.sh dynamic_linear_rows REV [rounds]     # dynamic_linear.cpp
 # Flags: inductor's ISA flags for this machine (as the export compiles the kernels), -O3, OpenMP.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 bench=$1 rev=$2 rounds=${3:-3}
 case $bench in
-  attention_from_memory) source=backend/native/decode_attention.cpp ;;
+  attention_from_memory | wide_attention) source=backend/native/rows_attention.cpp ;;
   dynamic_linear_rows) source=backend/native/dynamic_linear.cpp ;;
   *) echo "unknown benchmark $bench" >&2; exit 2 ;;
 esac
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-git show "$rev:$source" > "$work/$(basename "$source")"
+# (the attention kernel was decode_attention.cpp before it took every step width)
+git show "$rev:$source" > "$work/$(basename "$source")" 2>/dev/null ||
+  git show "$rev:backend/native/decode_attention.cpp" > "$work/$(basename "$source")"
 cp backend/native/*.h "$work/"  # the revision's file next to today's headers
 flags=$(python -c "from offgraph_kv.backend.cpu_kernels import _compile_flags; print(' '.join(_compile_flags()))")
 for which in before after; do
