@@ -14,7 +14,7 @@
 // call (benchmarks/cpu/gemv.py measures it against both, per shape). How many
 // rows share each activation load is the ISA's (kBlockRows below).
 //
-// Only the stable AOTI C shim is used (no ATen headers), as decode_attention.cpp.
+// Only the stable AOTI C shim is used (no ATen headers), as rows_attention.cpp.
 // Accumulation is fp32, as a GEMM's; the output takes the activations' dtype.
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -46,12 +46,24 @@ using namespace offgraph_kv_native::vec;
 // Outputs per pass over the activations (see above): on AVX-512 (an Intel Xeon,
 // 2026-12-02) four rows side by side took 0.85-0.98x one row's time, per shape;
 // on the AVX2 machine (AMD EPYC) four rows read 0.75-0.85x as fast as one
-// sequential stream, two 0.8x (standalone probes, interleaved runs).
+// sequential stream, two 0.8x (standalone probes, interleaved runs). On an AMD
+// EPYC (Zen 4) with AVX-512, the 30 layers' bf16 weights of a SmolLM2 step from
+// memory took 32-36 ms four or two rows at a time and 12-17 ms one row at a
+// time (`benchmarks/cpu/native/run.sh decode_linear_from_memory`): AMD's
+// prefetchers lose interleaved row streams, so AMD machines read one row at a time.
 #if defined(__AVX512F__)
 constexpr int64_t kBlockRows = 4;
 #else
 constexpr int64_t kBlockRows = 1;
 #endif
+
+inline bool rows_side_by_side() {
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return kBlockRows > 1 && intel;
+}
 constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more than it reads
 
 // ----------------------------------------------------------------------------
@@ -176,7 +188,7 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
       const int64_t begin = std::min(outputs, p * per), end = std::min(outputs, begin + per);
       float d[kBlockRows];
       int64_t n = begin;
-      for (; n + kBlockRows <= end; n += kBlockRows) {
+      for (; rows_side_by_side() && n + kBlockRows <= end; n += kBlockRows) {
         format.template dots<kBlockRows>(n, xf.data(), xsum.data(), d);
         for (int64_t b = 0; b < kBlockRows; ++b) from_float(d[b], yr + n + b);
       }
