@@ -48,10 +48,33 @@ KERNEL_FROM_OUTPUTS = 32000
 def one_row_mode() -> str:
     """How CPU exports run one-row linears (``OFFGRAPH_KV_CPU_GEMV``): "auto" (the default: our kernel
     for a vocabulary-sized float projection and for every int8 / int4 linear, inductor's reduction for
-    the other float linears), "kernel" (our kernel for every one-row linear), "reduce" (the reduction
-    for all) or "mm" (ATen's GEMM, no branch on the width). Whole SmolLM2 steps, the modes in turns:
-    ``benchmarks/results/cpu_decode_gemv_auto.md``."""
+    the other float linears, except on AMD machines: the kernel for all, ``kernel_for_every_row``),
+    "kernel" (our kernel for every one-row linear), "reduce" (the reduction for all) or "mm" (ATen's
+    GEMM, no branch on the width). Whole SmolLM2 steps, the modes in turns:
+    ``benchmarks/results/cpu_decode_gemv_auto.md`` (Intel), ``cpu_decode_linear_ab_bf16.md`` (AMD)."""
     return switch(ENV_SWITCH, MODES, "auto")
+
+
+def cpu_vendor() -> str:
+    """The exporting machine's CPU vendor string (``AuthenticAMD``, ``GenuineIntel``; "" if unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def kernel_for_every_row() -> bool:
+    """Whether "auto" runs every one-row float linear on our kernel: on AMD machines. There the kernel
+    reads each weight row as one stream (``native/decode_linear.cpp``) and beat inductor's reduction on
+    the decoder's shapes too: whole bf16 SmolLM2 steps took 0.86x / 0.82x the time at 200 / 2,000 tokens
+    (AMD EPYC Zen 4, ``benchmarks/results/cpu_decode_linear_ab_bf16.md``). On the Intel Xeon the
+    reduction read those shapes 1.4-1.5x faster (``cpu_decode_gemv_auto.md``). A CPU program runs on
+    the ISA of the machine that exported it, so the export decides."""
+    return cpu_vendor() == "AuthenticAMD"
 
 
 def reduction_applies() -> bool:
@@ -76,7 +99,7 @@ def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2, in_au
 
 def _one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # [1, K] x [N, K] -> [1, N]; the products and the sum in fp32 (as a GEMM accumulates).
-    if kernel_takes(x, w, in_auto=int(w.shape[0]) >= KERNEL_FROM_OUTPUTS):
+    if kernel_takes(x, w, in_auto=int(w.shape[0]) >= KERNEL_FROM_OUTPUTS or kernel_for_every_row()):
         return torch.ops.offgraph_kv.linear_rows(x, w)
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
 

@@ -1,6 +1,7 @@
 """Which one-row form each CPU linear gets (``backend/decode_gemv.py``): in the
 default mode ("auto") a vocabulary-sized float projection runs our kernel and
-the decoder-sized float linears inductor's reduction (int8 / int4 linears take
+the decoder-sized float linears inductor's reduction, or our kernel when the
+exporting machine is an AMD one (int8 / int4 linears take
 the kernel, ``tests/test_quantized_export.py``); "kernel" and "reduce" put every
 linear on one of them; and whichever form, one row and many rows give the
 linear's result."""
@@ -48,11 +49,16 @@ def _kernel_calls_per_branch(monkeypatch: pytest.MonkeyPatch, mode: str) -> "tup
     return calls, lowered.module()
 
 
-@pytest.mark.parametrize("mode,want", [("auto", [0, 1]), ("kernel", [1, 1]), ("reduce", [0, 0])])
-def test_one_row_linears_take_the_kernel_by_mode_and_output_count(monkeypatch: pytest.MonkeyPatch, mode: str,
-                                                                  want: List[int]) -> None:
+@pytest.mark.parametrize("mode,vendor,want", [("auto", "GenuineIntel", [0, 1]), ("auto", "AuthenticAMD", [1, 1]),
+                                               ("auto", "", [0, 1]), ("kernel", "GenuineIntel", [1, 1]),
+                                               ("reduce", "AuthenticAMD", [0, 0])])
+def test_one_row_linears_take_the_kernel_by_mode_vendor_and_output_count(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                                         vendor: str, want: List[int]) -> None:
+    """"auto": the kernel for a vocabulary-sized projection, and on AMD machines for every linear."""
+    monkeypatch.setattr(decode_gemv, "cpu_vendor", lambda: vendor)
     calls, _ = _kernel_calls_per_branch(monkeypatch, mode)
     assert calls == want  # [decoder-sized, vocabulary-sized]
+
 
 
 def test_auto_mode_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
