@@ -58,11 +58,15 @@ constexpr int64_t kBlockRows = 1;
 #endif
 
 inline bool rows_side_by_side() {
+#if defined(__AVX512F__)  // x86 only: the vendor builtins exist there
   static const bool intel = [] {
     __builtin_cpu_init();
     return __builtin_cpu_is("intel") != 0;
   }();
-  return kBlockRows > 1 && intel;
+  return intel;
+#else
+  return false;
+#endif
 }
 constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more than it reads
 
