@@ -192,7 +192,8 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
       const int64_t begin = std::min(outputs, p * per), end = std::min(outputs, begin + per);
       float d[kBlockRows];
       int64_t n = begin;
-      for (; rows_side_by_side() && n + kBlockRows <= end; n += kBlockRows) {
+      const bool side_by_side = rows_side_by_side();
+      for (; side_by_side && n + kBlockRows <= end; n += kBlockRows) {
         format.template dots<kBlockRows>(n, xf.data(), xsum.data(), d);
         for (int64_t b = 0; b < kBlockRows; ++b) from_float(d[b], yr + n + b);
       }

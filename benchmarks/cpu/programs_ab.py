@@ -27,10 +27,6 @@ from benchmarks.lib.report import save
 CONTEXTS = (200, 2000)
 
 
-def _median(xs: Sequence[float]) -> float:
-    return statistics.median(xs)
-
-
 def measure(programs: Dict[str, str], rounds: int, steps: int, prefills: Sequence[int], threads: int,
             log: Path) -> Dict[str, Dict[str, object]]:
     from tqdm import tqdm
@@ -66,9 +62,9 @@ def summarize(raw: Dict[str, Dict[str, object]], prefills: Sequence[int]) -> Lis
                                   "rss_after_warm_up_mib": m["load"]["rss_after_warm_up_mib"],
                                   "peak_rss_mib": m["rss_end"]["peak_rss_mib"]}
         for c in CONTEXTS:
-            row[f"decode_ms@{c}"] = _median([s for d in m["decode"] for s in d[str(c)]["idle"]["step_ms"]])
+            row[f"decode_ms@{c}"] = statistics.median([s for d in m["decode"] for s in d[str(c)]["idle"]["step_ms"]])
         for i, t in enumerate(prefills):
-            row[f"prefill_tok_s@{t}"] = _median([p[i]["tokens_per_s"] for p in m["prefill"]])
+            row[f"prefill_tok_s@{t}"] = statistics.median([p[i]["tokens_per_s"] for p in m["prefill"]])
         rows.append(row)
     first = rows[0]
     for row in rows:
