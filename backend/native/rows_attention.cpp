@@ -157,17 +157,35 @@ void weigh(const float* p, const float* rescale, const T* v, int64_t v_row, int6
   }
 }
 
-// Calls fn.template operator()<NQ>(g0) for the r queries of a head in passes of
+// Calls fn(integral_constant<N>) for n in [1, Max] (Max <= 4): a register
+// tile's row count fixed at compile time.
+template <int Max, typename Fn>
+void with_count(int64_t n, Fn&& fn) {
+  static_assert(Max >= 1 && Max <= 4, "tiles of one to four rows");
+  if (n == 1) fn(std::integral_constant<int, 1>{});
+  if constexpr (Max >= 2) if (n == 2) fn(std::integral_constant<int, 2>{});
+  if constexpr (Max >= 3) if (n == 3) fn(std::integral_constant<int, 3>{});
+  if constexpr (Max >= 4) if (n == 4) fn(std::integral_constant<int, 4>{});
+}
+
+// Calls fn(integral_constant<NQ>, g0) for the r queries of a head in passes of
 // at most kQueriesPerPass.
 template <typename Fn>
 void in_passes(int64_t r, Fn&& fn) {
-  int64_t g = 0;
-  for (; g + kQueriesPerPass <= r; g += kQueriesPerPass) fn(std::integral_constant<int, kQueriesPerPass>{}, g);
-  switch (r - g) {
-    case 1: fn(std::integral_constant<int, 1>{}, g); break;
-    case 2: fn(std::integral_constant<int, 2>{}, g); break;
-    case 3: fn(std::integral_constant<int, 3>{}, g); break;
-    default: break;
+  for (int64_t g = 0; g < r; g += kQueriesPerPass)
+    with_count<kQueriesPerPass>(std::min<int64_t>(kQueriesPerPass, r - g), [&](auto nq) { fn(nq, g); });
+}
+
+// One query row's result from its unnormalised sums: out = acc / total and its
+// log-sum-exp; a row that saw nothing gives zeros and -inf, as a fully masked
+// row (acc may be out itself).
+inline void normalise(const float* acc, float peak, float total, int64_t vd, float* out, float* lse) {
+  if (total > 0.f) {
+    for (int64_t x = 0; x < vd; ++x) out[x] = acc[x] / total;
+    *lse = peak + std::log(total);
+  } else {
+    std::fill(out, out + vd, 0.f);
+    *lse = -INFINITY;
   }
 }
 
@@ -298,12 +316,7 @@ void attend(const float* q, int64_t q_head, int64_t q_row, int64_t heads, int64_
         for (int64_t x = 0; x < vd; ++x) o[x] += a[x] * c;
       }
     }
-    if (total > 0.f) {
-      for (int64_t x = 0; x < vd; ++x) o[x] /= total;
-      lse[i] = m + std::log(total);
-    } else {
-      lse[i] = -INFINITY;  // no rows: output zeros, as a fully masked row
-    }
+    normalise(o, m, total, vd, o, lse + i);
   }
 }
 
@@ -403,20 +416,6 @@ void tile_weigh(const float* p, const float* rescale, const float* vb, int64_t n
   }
 }
 
-// Calls fn(integral_constant<NQ>) for a tile of nq (1..kTile) queries.
-template <typename Fn>
-void with_tile(int64_t nq, Fn&& fn) {
-  switch (nq) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-#if defined(__AVX512F__)
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-#endif
-    default: break;
-  }
-}
-
 // Floats of scratch one unit of the wide path takes (see wide_unit).
 inline int64_t wide_scratch(int64_t queries, int64_t kd, int64_t vd) {
   return kd * kBlock + kBlock * vd + kTile * kBlock + queries * (vd + 2);
@@ -460,7 +459,7 @@ void wide_unit(const float* q, int64_t q_row, int64_t r0, int64_t r1, int64_t kd
         any = any || seen[g] > 0;
       }
       if (!any) continue;  // past every one of these queries' last row: nothing changes
-      with_tile(nq, [&](auto c) {
+      with_count<kTile>(nq, [&](auto c) {
         constexpr int NQ = decltype(c)::value;
         tile_dots<NQ>(q + g0 * q_row, q_row, kt, kd, scale, logits);
         for (int g = 0; g < NQ; ++g) {
@@ -472,16 +471,8 @@ void wide_unit(const float* q, int64_t q_row, int64_t r0, int64_t r1, int64_t kd
       });
     }
   }
-  for (int64_t i = 0; i < nq_all; ++i) {
-    float* o = out + (r0 + i) * vd;
-    if (total[i] > 0.f) {
-      for (int64_t x = 0; x < vd; ++x) o[x] = acc[i * vd + x] / total[i];
-      lse[r0 + i] = peak[i] + std::log(total[i]);
-    } else {
-      std::fill(o, o + vd, 0.f);
-      lse[r0 + i] = -INFINITY;
-    }
-  }
+  for (int64_t i = 0; i < nq_all; ++i)
+    normalise(acc + i * vd, peak[i], total[i], vd, out + (r0 + i) * vd, lse + r0 + i);
 }
 
 // The wide path: every KV head's queries in chunks, as many as the caller's
