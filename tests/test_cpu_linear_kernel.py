@@ -4,7 +4,9 @@ forms (the fp32 sums the one-row reductions compute): fp32 / bf16 / fp16
 activations and weights, int8 rows with a scale each, int4 groups with and
 without zero points, input widths off the vector length, output counts off the
 four-output block and on both sides of a thread's share, several rows, strided
-activations.
+activations; bf16 rows against int4 groups of 32 both through the bf16 dot
+product path (where the CPU has it) and with it turned off
+(``OFFGRAPH_KV_CPU_BF16_DOTS=0``), group counts off its four-group pass.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class _Calls(torch.nn.Module):
         outs.append(ops.int8_linear_rows(x.bfloat16(), q8, s8.bfloat16()))
         outs.append(ops.int4_linear_rows(x, p4, s4))
         outs.append(ops.int4z_linear_rows(x.bfloat16(), p4, s4.bfloat16(), z4))
+        # bf16 rows: the bf16 dot-product path for groups of 32, with each scale dtype
+        outs.append(ops.int4_linear_rows(x.bfloat16(), p4, s4.bfloat16()))
+        outs.append(ops.int4_linear_rows(x.bfloat16(), p4, s4))
+        outs.append(ops.int4_linear_rows(x.bfloat16(), p4, s4.half()))
+        outs.append(ops.int4z_linear_rows(x.bfloat16(), p4, s4, z4))
         return tuple(outs)
 
 
@@ -64,6 +71,10 @@ def _expected(args: List[torch.Tensor]) -> List[torch.Tensor]:
     want.append(_int8_rows_reference(x.bfloat16(), q8, s8.bfloat16()))
     want.append(_int4_rows_reference(x, p4, s4))
     want.append(_int4z_rows_reference(x.bfloat16(), p4, s4.bfloat16(), z4))
+    want.append(_int4_rows_reference(x.bfloat16(), p4, s4.bfloat16()))
+    want.append(_int4_rows_reference(x.bfloat16(), p4, s4))
+    want.append(_int4_rows_reference(x.bfloat16(), p4, s4.half()))
+    want.append(_int4z_rows_reference(x.bfloat16(), p4, s4, z4))
     return want
 
 
@@ -88,11 +99,15 @@ def _tolerance(dtype: torch.dtype) -> Tuple[float, float]:
     return {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}[dtype]
 
 
+@pytest.mark.parametrize("bf16_dots", ["on", "off"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows,kgroups,n", [(1, 1, 1), (1, 3, 7), (1, 18, 576), (3, 5, 13), (1, 2, 1031),
-                                            (2, 9, 4097)])
-def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, rows, kgroups, n, threads):
+                                            (2, 9, 4097), (4, 8, 6)])
+def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, rows, kgroups, n, threads, bf16_dots,
+                                                                    monkeypatch):
     runner, group = compiled
+    if bf16_dots == "off":
+        monkeypatch.setenv("OFFGRAPH_KV_CPU_BF16_DOTS", "0")  # read by the kernel at each call
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # outputs split over what OpenMP allows (2: from 1,024 outputs)
     try:

@@ -27,8 +27,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -43,15 +45,16 @@ using offgraph_kv_native::from_float;
 using offgraph_kv_native::widen;
 using namespace offgraph_kv_native::vec;
 
-// Outputs per pass over the activations (see above): on AVX-512 (an Intel Xeon,
-// 2026-12-02) four rows side by side took 0.85-0.98x one row's time, per shape;
-// on the AVX2 machine (AMD EPYC) four rows read 0.75-0.85x as fast as one
-// sequential stream, two 0.8x (standalone probes, interleaved runs). On an AMD
-// EPYC (Zen 4) with AVX-512, the 30 layers' bf16 weights of a SmolLM2 step from
-// memory took 32-36 ms four or two rows at a time and 12-17 ms one row at a
-// time (`benchmarks/cpu/native/run.sh decode_linear_from_memory`): AMD's
-// prefetchers lose interleaved row streams, so AMD machines read one row at a time.
-#if defined(__AVX512F__)
+// Outputs are computed in blocks of kBlockRows, their horizontal sums taken together; whether a
+// block's rows stream side by side (one sweep over the activations for all) or one after another is
+// the CPU's: on AVX-512 (an Intel Xeon, 2026-12-02) four rows side by side took 0.85-0.98x one row's
+// time, per shape; on an AVX2 AMD EPYC four rows read 0.75-0.85x as fast as one sequential stream,
+// two 0.8x (standalone probes, interleaved runs). On an AMD EPYC (Zen 4) with AVX-512, the 30
+// layers' bf16 weights of a SmolLM2 step from memory took 29-36 ms four rows side by side and 13-16 ms
+// one row after another (`benchmarks/cpu/native/run.sh decode_linear_from_memory`); int8 19-22 ms
+// against 8-12 ms: AMD's prefetchers lose interleaved row streams, so AMD machines read one row
+// after another. (The int4 bf16 path, bound by its arithmetic, reads four rows side by side everywhere.)
+#ifdef OFFGRAPH_KV_VECTOR
 constexpr int64_t kBlockRows = 4;
 #else
 constexpr int64_t kBlockRows = 1;
@@ -72,32 +75,91 @@ constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more th
 
 // ----------------------------------------------------------------------------
 // The weight formats: each computes a block of B outputs' dots with one row
-// of fp32 activations (xf, K values; xsum[g]: the activations' sum per int4 group)
+// of activations (Row) into out[0..B)
 // ----------------------------------------------------------------------------
 
 inline float widen(int8_t q) { return float(q); }
+
+// One row of activations, in the forms the formats read: fp32 (K values), the sum of each int4
+// group's, and, where the row is bf16 and the int4 groups are 32 wide, its values as bf16 in the
+// order Int4Groups' bf16 path reads them with that path's offsets (quad_bf16; else null).
+struct Row {
+  const float* __restrict f;
+  const float* __restrict group_sums;
+  const uint16_t* __restrict bf16_quads;
+  const float* __restrict quad_offsets;
+};
+
+// Independent accumulator chains per pass: one chain is bound by the FMA's latency (4 cycles), not
+// by the loads. On an AMD EPYC (Zen 4), where outputs are computed one at a time, a SmolLM2 step's
+// int8 linears took 9.5-10.9 ms with one chain (134 M weights / 16 lanes x 4 cycles at 3.4 GHz)
+// (`benchmarks/cpu/native/run.sh decode_linear_from_memory`); each output of a block of B keeps
+// kChains / B chains.
+constexpr int kChains = 4;
+template <int B>
+constexpr int chains_per_output() {
+  return B >= kChains ? 1 : kChains / B;
+}
 
 template <typename W>
 struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int8Rows applies)
   const W* w;
   int64_t k;
+
+  // out[b] for the B rows from n: on machines that read rows side by side (rows_side_by_side) one
+  // sweep over the activations for all B; elsewhere one row after another, their horizontal sums
+  // still taken together (a sum and a store a row cost SmolLM2's 576-input rows ~10 %).
   template <int B>
-  void dots(int64_t n, const float* __restrict xf, const float*, float* out) const {
-    int64_t x = 0;
+  void dots(int64_t n, const Row& row, float* out) const {
 #ifdef OFFGRAPH_KV_VECTOR
-    Vec acc[B];
-    for (int b = 0; b < B; ++b) acc[b] = vzero();
+    Vec sums[B];
+    float tails[B];
+    if (B > 1 && !rows_side_by_side())
+      for (int b = 0; b < B; ++b) sweep<1>(n + b, row.f, &sums[b], &tails[b]);
+    else
+      sweep<B>(n, row.f, sums, tails);
+    if constexpr (B == 4) {
+      alignas(16) float four[4];
+      _mm_store_ps(four, vsum4(sums[0], sums[1], sums[2], sums[3]));
+      for (int b = 0; b < 4; ++b) out[b] = four[b] + tails[b];
+    } else {
+      for (int b = 0; b < B; ++b) out[b] = vsum(sums[b]) + tails[b];
+    }
+#else
+    for (int b = 0; b < B; ++b) {
+      out[b] = 0.f;
+      for (int64_t x = 0; x < k; ++x) out[b] += widen(w[(n + b) * k + x]) * row.f[x];
+    }
+#endif
+  }
+
+#ifdef OFFGRAPH_KV_VECTOR
+  // The B rows' dots from n as vectors (sums) and the inputs past the last whole vector (tails).
+  template <int B>
+  void sweep(int64_t n, const float* __restrict xf, Vec* sums, float* tails) const {
+    constexpr int U = chains_per_output<B>();
+    Vec acc[B][U];
+    for (int b = 0; b < B; ++b)
+      for (int u = 0; u < U; ++u) acc[b][u] = vzero();
+    int64_t x = 0;
+    for (; x + U * kLanes <= k; x += U * kLanes)
+#pragma GCC unroll 4  // whole: the accumulators stay in registers
+      for (int u = 0; u < U; ++u) {
+        const Vec xv = vload(xf + x + u * kLanes);
+        for (int b = 0; b < B; ++b) acc[b][u] = vfma(vload(w + (n + b) * k + x + u * kLanes), xv, acc[b][u]);
+      }
     for (; x + kLanes <= k; x += kLanes) {
       const Vec xv = vload(xf + x);
-      for (int b = 0; b < B; ++b) acc[b] = vfma(vload(w + (n + b) * k + x), xv, acc[b]);
+      for (int b = 0; b < B; ++b) acc[b][0] = vfma(vload(w + (n + b) * k + x), xv, acc[b][0]);
     }
-    for (int b = 0; b < B; ++b) out[b] = vsum(acc[b]);
-#else
-    for (int b = 0; b < B; ++b) out[b] = 0.f;
-#endif
-    for (; x < k; ++x)
-      for (int b = 0; b < B; ++b) out[b] += widen(w[(n + b) * k + x]) * xf[x];
+    for (int b = 0; b < B; ++b) {
+      for (int u = 1; u < U; ++u) acc[b][0] = vadd(acc[b][0], acc[b][u]);
+      sums[b] = acc[b][0];
+      tails[b] = 0.f;
+      for (int64_t i = x; i < k; ++i) tails[b] += widen(w[(n + b) * k + i]) * xf[i];
+    }
   }
+#endif
 };
 
 template <typename S>
@@ -105,11 +167,121 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
   Dense<int8_t> q;
   const S* scale;
   template <int B>
-  void dots(int64_t n, const float* __restrict xf, const float* xsum, float* out) const {
-    q.template dots<B>(n, xf, xsum, out);
+  void dots(int64_t n, const Row& row, float* out) const {
+    q.template dots<B>(n, row, out);
     for (int b = 0; b < B; ++b) out[b] *= widen(scale[n + b]);
   }
 };
+
+// bf16 activations against int4 groups of 32 with the AVX-512 bf16 dot product (vdpbf16ps: a pair
+// of products a lane, fp32 sums). A nibble n becomes the bf16 of 16 + n by bit operations alone
+// (exponent 2^4, mantissa n << 3: 0x4180 | n << 3), so the products are exact; a group's dot is then
+// dot(x, n - 8) + 24 * sum(x), and the 24 * sum(x) is taken off per group (Row::bf16_quads' second
+// part). Its fp32 sums carry at most ~4x the rounding of a direct dot (|16 + n| <= 31 against
+// |n - 8| <= 8), far below the bf16 output's.
+// Four groups a pass, one per 128-bit lane: 64 packed bytes split into low and high nibbles, the
+// bytes widened to bf16 words by in-lane unpacks with the constant high byte 0x41, four dot-product
+// instructions, one scale vector (a group's scale in its lane's four floats). The activations are
+// laid out once per row in the unpacks' order (quad_bf16). On an AMD EPYC (Zen 4) this took ~40 %
+// of the fp32 path's time per weight (`benchmarks/cpu/native/run.sh decode_linear_from_memory`).
+#if defined(__AVX512F__) && defined(__GNUC__)
+#define OFFGRAPH_KV_BF16_DOTS 1
+constexpr int64_t kQuadGroup = 32;                 // the group width the bf16 path takes
+constexpr int64_t kQuadWords = 4 * kQuadGroup;     // activations a pass (four groups)
+constexpr int64_t kQuadFloats = 16;                // the offset's share a pass, one per fp32 lane
+constexpr float kNibbleOffset = 24.f;              // (16 + n) - (n - 8)
+// How far ahead of a pass each row's bytes are asked for: the arithmetic keeps the hardware
+// prefetcher behind (from memory, 2-3 KB ahead took 0.8-0.85x the time of none; 0.5 KB no gain).
+constexpr int64_t kPrefetchBytes = 2048;
+
+// The CPU has the instruction and OFFGRAPH_KV_CPU_BF16_DOTS is not "0" (the fp32 path then serves
+// bf16 rows too: for A/B runs and tests of both paths on one machine; read at each call, once).
+inline bool has_bf16_dots() {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  const char* off = std::getenv("OFFGRAPH_KV_CPU_BF16_DOTS");
+  return cpu && !(off && std::strcmp(off, "0") == 0);
+}
+
+inline int64_t quads(int64_t groups) { return (groups + 3) / 4; }
+
+// Row::bf16_quads from a bf16 row of `groups` groups of 32 and their fp32 sums: per pass (groups
+// 4q .. 4q+3, group 4q+L in lane L), the activations as four registers of words, register c lane L
+// holding inputs 8c .. 8c+7 of group 4q+L; then 16 floats, lane L's four each 24 * sum / 4 (the four
+// lanes are summed in the end). Groups past the last: zeros.
+template <typename X>
+void quad_bf16(const X* x, int64_t x_col, int64_t groups, const float* sums, uint16_t* words, float* offsets) {
+  for (int64_t q = 0; q < quads(groups); ++q, words += kQuadWords, offsets += kQuadFloats)
+    for (int64_t lane = 0; lane < 4; ++lane) {
+      const int64_t g = 4 * q + lane;
+      for (int64_t c = 0; c < 4; ++c)
+        for (int64_t j = 0; j < 8; ++j) {
+          const int64_t i = g * kQuadGroup + 8 * c + j;
+          words[c * 32 + lane * 8 + j] = g < groups ? reinterpret_cast<const uint16_t&>(x[i * x_col]) : 0;
+        }
+      for (int64_t f = 0; f < 4; ++f) offsets[lane * 4 + f] = g < groups ? kNibbleOffset * sums[g] / 4 : 0.f;
+    }
+}
+
+// The scales of `n` <= 4 groups, group i's in lane i's four floats (in registers: a vector load
+// after scalar stores stalls on store forwarding, which took 40 % of the time here).
+inline __m128 four_scales(const Bf16* s) {
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))), 16));
+}
+inline __m128 four_scales(const float* s) { return _mm_loadu_ps(s); }
+inline __m128 four_scales(const Half* s) { return _mm_setr_ps(widen(s[0]), widen(s[1]), widen(s[2]), widen(s[3])); }
+template <typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 quad_scales(const S* s, int64_t n) {
+  const __m128 four = n == 4 ? four_scales(s)
+                             : _mm_setr_ps(widen(s[0]), n > 1 ? widen(s[1]) : 0.f, n > 2 ? widen(s[2]) : 0.f, 0.f);
+  const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
+}
+
+// The dots of R consecutive rows (`p`: the first's packed groups, `scale` its scales; R <= 4) with
+// one row of activations (xw / xo, quad_bf16) into out[0..R). The rows share each pass's activation
+// loads, and one transposing sum ends all four: on rows as short as SmolLM2's (576 inputs, 4.5
+// passes), one row at a time spent ~40 % of its time on the horizontal sum and the per-row work.
+template <int R, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void int4_bf16_dots(
+    const uint8_t* __restrict p, const S* __restrict scale, const uint16_t* __restrict xw,
+    const float* __restrict xo, int64_t groups, float* out) {
+  const __m512i mantissa = _mm512_set1_epi8(0x78), high = _mm512_set1_epi8(0x41), top = _mm512_set1_epi8(char(0x80));
+  const int64_t row_bytes = groups * kQuadGroup / 2;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 4, p += 2 * kQuadGroup, xw += kQuadWords, xo += kQuadFloats) {
+    const int64_t here = std::min<int64_t>(4, groups - g);
+    const __m512i x0 = _mm512_loadu_si512(xw), x1 = _mm512_loadu_si512(xw + 32), x2 = _mm512_loadu_si512(xw + 64),
+                  x3 = _mm512_loadu_si512(xw + 96);
+    const __m512 offsets = _mm512_loadu_ps(xo);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* pr = p + r * row_bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(pr + kPrefetchBytes), _MM_HINT_T0);
+      // a last pass of fewer groups reads zero bytes, against zero activations, offsets and scales
+      const __m512i b = here == 4 ? _mm512_loadu_si512(pr)
+                                  : _mm512_maskz_loadu_epi8((__mmask64(1) << (here * kQuadGroup / 2)) - 1, pr);
+      // low bytes of the words: 0x80 | n << 3 (0xEA: (a & b) | c)
+      const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), mantissa, top, 0xEA);
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), mantissa, top, 0xEA);
+      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_unpacklo_epi8(lo, high), (__m512bh)x0);
+      __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_unpackhi_epi8(lo, high), (__m512bh)x1);
+      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_unpacklo_epi8(hi, high), (__m512bh)x2);
+      u = _mm512_dpbf16_ps(u, (__m512bh)_mm512_unpackhi_epi8(hi, high), (__m512bh)x3);
+      const __m512 dots = _mm512_sub_ps(_mm512_add_ps(t, u), offsets);
+      acc[r] = _mm512_fmadd_ps(dots, quad_scales(scale + r * groups + g, here), acc[r]);
+    }
+  }
+  if (R == 4) {
+    _mm_storeu_ps(out, vsum4(acc[0], acc[1], acc[2], acc[3]));
+  } else {
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+#endif
 
 template <typename S>
 struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j + G/2), q + 8 stored
@@ -117,51 +289,105 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
   const S* scale;       // [N, K/G]
   const int8_t* zero;   // [N, K/G] or null (symmetric)
   int64_t groups, half;
-  template <int B>
-  void dots(int64_t n, const float* __restrict xf, const float* __restrict xsum, float* out) const {
-    float total[B] = {};
-#ifdef OFFGRAPH_KV_VECTOR
-    Vec acc[B];
-    for (int b = 0; b < B; ++b) acc[b] = vzero();
-    const bool vector_groups = half % kLanes == 0;
+
+  // The stored nibble less this is q - zero: w = (nibble - offset) * scale.
+  int32_t offset(int64_t row, int64_t g) const { return 8 + (zero ? int32_t(zero[row * groups + g]) : 0); }
+
+  // Whether the bf16 path serves a bf16 row (linear_rows then fills Row::bf16_quads).
+  bool takes_bf16_quads() const {
+#ifdef OFFGRAPH_KV_BF16_DOTS
+    return 2 * half == kQuadGroup && has_bf16_dots();
 #else
-    const bool vector_groups = false;
-#endif
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* __restrict xlo = xf + g * 2 * half;
-      const float* __restrict xhi = xlo + half;
-      for (int b = 0; b < B; ++b) {
-        const int64_t row = n + b;
-        const uint8_t* p = packed + (row * groups + g) * half;
-        const float s = widen(scale[row * groups + g]);
-        // The stored nibble is q + 8 and w = (q - zero) * s: the offset's share, once per group.
-        const float offset = 8.f + (zero ? float(zero[row * groups + g]) : 0.f);
-        total[b] -= s * offset * xsum[g];
-        if (vector_groups) {
-#ifdef OFFGRAPH_KV_VECTOR
-          Vec t = vzero();
-          for (int64_t j = 0; j < half; j += kLanes) {
-            Vec lo, hi;
-            vnibbles(p + j, &lo, &hi);
-            t = vfma(lo, vload(xlo + j), t);
-            t = vfma(hi, vload(xhi + j), t);
-          }
-          acc[b] = vfma(t, vset(s), acc[b]);
-#endif
-        } else {
-          float t = 0.f;
-          for (int64_t j = 0; j < half; ++j) t += float(p[j] & 15) * xlo[j] + float(p[j] >> 4) * xhi[j];
-          total[b] += s * t;
-        }
-      }
-    }
-#ifdef OFFGRAPH_KV_VECTOR
-    for (int b = 0; b < B; ++b) out[b] = total[b] + vsum(acc[b]);
-#else
-    for (int b = 0; b < B; ++b) out[b] = total[b];
+    return false;
 #endif
   }
+
+  template <int B>
+  void dots(int64_t n, const Row& x, float* out) const {
+#ifdef OFFGRAPH_KV_BF16_DOTS
+    if (x.bf16_quads) {
+      int4_bf16_dots<B>(packed + n * groups * half, scale + n * groups, x.bf16_quads, x.quad_offsets, groups, out);
+      for (int b = 0; b < B; ++b) {
+        const int64_t row = n + b;
+        if (zero)  // the offset took 8 off; the zero point's share, once per group
+          for (int64_t g = 0; g < groups; ++g)
+            out[b] -= widen(scale[row * groups + g]) * float(zero[row * groups + g]) * x.group_sums[g];
+      }
+      return;
+    }
+#endif
+#ifdef OFFGRAPH_KV_VECTOR
+    if (half % kLanes == 0) return vector_dots<B>(n, x.f, out);
+#endif
+    for (int b = 0; b < B; ++b) {
+      const int64_t row = n + b;
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* xlo = x.f + g * 2 * half;
+        const float* xhi = xlo + half;
+        const uint8_t* p = packed + (row * groups + g) * half;
+        float t = 0.f;
+        for (int64_t j = 0; j < half; ++j) t += float(p[j] & 15) * xlo[j] + float(p[j] >> 4) * xhi[j];
+        // the offset's share, once per group
+        total += widen(scale[row * groups + g]) * (t - float(offset(row, g)) * x.group_sums[g]);
+      }
+      out[b] = total;
+    }
+  }
+
+#ifdef OFFGRAPH_KV_VECTOR
+  // Whole groups of vectors: the offset taken off in integers, each group's dot scaled into one of
+  // U accumulators in turn, so that consecutive groups do not wait on each other.
+  template <int B>
+  void vector_dots(int64_t n, const float* __restrict xf, float* out) const {
+    if (B > 1 && !rows_side_by_side()) {  // as Dense: one row after another there
+      for (int b = 0; b < B; ++b) vector_dots<1>(n + b, xf, out + b);
+      return;
+    }
+    constexpr int U = chains_per_output<B>();
+    Vec acc[B][U];
+    for (int b = 0; b < B; ++b)
+      for (int u = 0; u < U; ++u) acc[b][u] = vzero();
+    auto group = [&](int64_t g, int b, Vec& into) {
+      const int64_t row = n + b;
+      const float* __restrict xlo = xf + g * 2 * half;
+      const float* __restrict xhi = xlo + half;
+      const uint8_t* p = packed + (row * groups + g) * half;
+      const int32_t o = offset(row, g);
+      Vec lo, hi;
+      vnibbles(p, o, &lo, &hi);
+      Vec t = vfma(hi, vload(xhi), vmul(lo, vload(xlo)));
+      for (int64_t j = kLanes; j < half; j += kLanes) {
+        vnibbles(p + j, o, &lo, &hi);
+        t = vfma(hi, vload(xhi + j), vfma(lo, vload(xlo + j), t));
+      }
+      into = vfma(t, vset(widen(scale[row * groups + g])), into);
+    };
+    int64_t g = 0;
+    for (; g + U <= groups; g += U)
+#pragma GCC unroll 4  // whole: the accumulators stay in registers
+      for (int u = 0; u < U; ++u)
+#pragma GCC unroll 4
+        for (int b = 0; b < B; ++b) group(g + u, b, acc[b][u]);
+    for (; g < groups; ++g)
+      for (int b = 0; b < B; ++b) group(g, b, acc[b][0]);
+    for (int b = 0; b < B; ++b) {
+      for (int u = 1; u < U; ++u) acc[b][0] = vadd(acc[b][0], acc[b][u]);
+      out[b] = vsum(acc[b][0]);
+    }
+  }
+#endif
 };
+
+// Whether a format reads Row::bf16_quads (only Int4Groups has the bf16 path).
+template <typename Format>
+bool takes_bf16_quads(const Format&) {
+  return false;
+}
+template <typename S>
+bool takes_bf16_quads(const Int4Groups<S>& format) {
+  return format.takes_bf16_quads();
+}
 
 // ----------------------------------------------------------------------------
 // Rows of activations in, rows of outputs out
@@ -174,6 +400,15 @@ template <typename X, typename Format>
 void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, int64_t outputs, int64_t group,
                  const Format& format, X* y) {
   std::vector<float> xf(k), xsum(group ? k / group : 0);
+  std::vector<uint16_t> quad_words;
+  std::vector<float> quad_offsets;
+#ifdef OFFGRAPH_KV_BF16_DOTS
+  // bf16 rows only: their values go to the bf16 products unchanged (fp32 or fp16 ones would round)
+  if (std::is_same<X, Bf16>::value && takes_bf16_quads(format)) {
+    quad_words.resize(quads(int64_t(xsum.size())) * kQuadWords);
+    quad_offsets.resize(quads(int64_t(xsum.size())) * kQuadFloats);
+  }
+#endif
   int64_t parts = 1;
 #ifdef _OPENMP
   parts = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), outputs / kOutputsPerThread));
@@ -185,20 +420,26 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
       for (int64_t i = 0; i < group; ++i) s += xf[g * group + i];
       xsum[g] = s;
     }
+#ifdef OFFGRAPH_KV_BF16_DOTS
+    if (!quad_words.empty())
+      quad_bf16(x + r * x_row, x_col, int64_t(xsum.size()), xsum.data(), quad_words.data(), quad_offsets.data());
+#endif
+    const bool quads = !quad_words.empty();
+    const Row row{xf.data(), xsum.data(), quads ? quad_words.data() : nullptr, quads ? quad_offsets.data() : nullptr};
     X* yr = y + r * outputs;
     const int64_t per = ((outputs + parts - 1) / parts + kBlockRows - 1) / kBlockRows * kBlockRows;
+
 #pragma omp parallel for num_threads(parts) if (parts > 1) schedule(static, 1)
     for (int64_t p = 0; p < parts; ++p) {
       const int64_t begin = std::min(outputs, p * per), end = std::min(outputs, begin + per);
       float d[kBlockRows];
       int64_t n = begin;
-      const bool side_by_side = rows_side_by_side();
-      for (; side_by_side && n + kBlockRows <= end; n += kBlockRows) {
-        format.template dots<kBlockRows>(n, xf.data(), xsum.data(), d);
+      for (; n + kBlockRows <= end; n += kBlockRows) {
+        format.template dots<kBlockRows>(n, row, d);
         for (int64_t b = 0; b < kBlockRows; ++b) from_float(d[b], yr + n + b);
       }
       for (; n < end; ++n) {
-        format.template dots<1>(n, xf.data(), xsum.data(), d);
+        format.template dots<1>(n, row, d);
         from_float(d[0], yr + n);
       }
     }

@@ -1,6 +1,6 @@
 // The vector ISA a CPU program was compiled for (inductor's flags: AVX-512 or
 // AVX2 + FMA), as one small set of operations over fp32 lanes, shared by
-// decode_attention.cpp and decode_linear.cpp. Loads widen the stored formats
+// rows_attention.cpp and decode_linear.cpp. Loads widen the stored formats
 // (bf16, fp16, int8, packed nibbles) to fp32 in registers, so no kernel
 // converts a row into scratch first. Without either ISA, OFFGRAPH_KV_VECTOR is
 // undefined and the kernels take their scalar loops.
@@ -31,11 +31,12 @@ inline Vec vload(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(rein
 inline Vec vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// kLanes packed bytes' low and high nibbles, as floats.
-inline void vnibbles(const uint8_t* p, Vec* lo, Vec* hi) {
+// kLanes packed bytes' low and high nibbles less `offset`, as floats (exact: small integers).
+inline void vnibbles(const uint8_t* p, int32_t offset, Vec* lo, Vec* hi) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  const __m512i o = _mm512_set1_epi32(offset);
+  *lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(15)), o));
+  *hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), o));
 }
 inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
@@ -84,10 +85,11 @@ inline Vec vload(const Half* p) {
 inline Vec vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline void vnibbles(const uint8_t* p, Vec* lo, Vec* hi) {
+inline void vnibbles(const uint8_t* p, int32_t offset, Vec* lo, Vec* hi) {
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-  *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  const __m256i o = _mm256_set1_epi32(offset);
+  *lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(15)), o));
+  *hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), o));
 }
 inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }

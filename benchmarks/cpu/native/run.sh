@@ -20,7 +20,9 @@ trap 'rm -rf "$work"' EXIT
 # (the attention kernel was decode_attention.cpp before it took every step width)
 git show "$rev:$source" > "$work/$(basename "$source")" 2>/dev/null ||
   git show "$rev:backend/native/decode_attention.cpp" > "$work/$(basename "$source")"
-cp backend/native/*.h "$work/"  # the revision's file next to today's headers
+for header in backend/native/*.h; do  # the revision's headers beside its file (today's where it had none)
+  git show "$rev:$header" > "$work/$(basename "$header")" 2>/dev/null || cp "$header" "$work/"
+done
 flags=$(python -c "from offgraph_kv.backend.cpu_kernels import _compile_flags; print(' '.join(_compile_flags()))")
 for which in before after; do
   src=$([ $which = before ] && echo "$work/$(basename "$source")" || echo "$PWD/$source")
