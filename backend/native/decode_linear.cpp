@@ -393,56 +393,83 @@ bool takes_bf16_quads(const Int4Groups<S>& format) {
 // Rows of activations in, rows of outputs out
 // ----------------------------------------------------------------------------
 
-// out[r, n] for r < rows, n < outputs: each row's activations widened to fp32
-// once (and summed per int4 group), the outputs split over the threads
-// OpenMP allows (the runtime sets one per decode step unless asked otherwise).
-template <typename X, typename Format>
-void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, int64_t outputs, int64_t group,
-                 const Format& format, X* y) {
-  std::vector<float> xf(k), xsum(group ? k / group : 0);
+// The activations of all a call's rows, in every form the format reads (Row), prepared once.
+struct Rows {
+  std::vector<float> f, group_sums, quad_offsets;
   std::vector<uint16_t> quad_words;
-  std::vector<float> quad_offsets;
+  int64_t k = 0, groups = 0;
+  Row row(int64_t r) const {
+    const bool quads = !quad_words.empty();
+    return {f.data() + r * k, group_sums.data() + r * groups,
+            quads ? quad_words.data() + r * quad_stride() : nullptr,
+            quads ? quad_offsets.data() + r * offset_stride() : nullptr};
+  }
+#ifdef OFFGRAPH_KV_BF16_DOTS
+  int64_t quad_stride() const { return quads(groups) * kQuadWords; }
+  int64_t offset_stride() const { return quads(groups) * kQuadFloats; }
+#else
+  int64_t quad_stride() const { return 0; }
+  int64_t offset_stride() const { return 0; }
+#endif
+};
+
+template <typename X, typename Format>
+Rows prepare(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, int64_t group, const Format& format) {
+  Rows a;
+  a.k = k;
+  a.groups = group ? k / group : 0;
+  a.f.resize(rows * k);
+  a.group_sums.resize(rows * a.groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* f = a.f.data() + r * k;
+    for (int64_t i = 0; i < k; ++i) f[i] = widen(x[r * x_row + i * x_col]);
+    for (int64_t g = 0; g < a.groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < group; ++i) s += f[g * group + i];
+      a.group_sums[r * a.groups + g] = s;
+    }
+  }
 #ifdef OFFGRAPH_KV_BF16_DOTS
   // bf16 rows only: their values go to the bf16 products unchanged (fp32 or fp16 ones would round)
   if (std::is_same<X, Bf16>::value && takes_bf16_quads(format)) {
-    quad_words.resize(quads(int64_t(xsum.size())) * kQuadWords);
-    quad_offsets.resize(quads(int64_t(xsum.size())) * kQuadFloats);
+    a.quad_words.resize(rows * a.quad_stride());
+    a.quad_offsets.resize(rows * a.offset_stride());
+    for (int64_t r = 0; r < rows; ++r)
+      quad_bf16(x + r * x_row, x_col, a.groups, a.group_sums.data() + r * a.groups,
+                a.quad_words.data() + r * a.quad_stride(), a.quad_offsets.data() + r * a.offset_stride());
   }
 #endif
+  return a;
+}
+
+// out[r, n] for r < rows, n < outputs. The outputs are split over the threads OpenMP allows (the
+// runtime sets one per decode step unless asked otherwise), in blocks of kBlockRows weight rows;
+// every row of activations meets a block while its weights are in L1, so a wide step reads the
+// weights from memory once, not once per row.
+template <typename X, typename Format>
+void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, int64_t outputs, int64_t group,
+                 const Format& format, X* y) {
+  const Rows a = prepare(x, x_row, x_col, rows, k, group, format);
   int64_t parts = 1;
 #ifdef _OPENMP
   parts = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), outputs / kOutputsPerThread));
 #endif
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < k; ++i) xf[i] = widen(x[r * x_row + i * x_col]);
-    for (int64_t g = 0; g < int64_t(xsum.size()); ++g) {
-      float s = 0.f;
-      for (int64_t i = 0; i < group; ++i) s += xf[g * group + i];
-      xsum[g] = s;
-    }
-#ifdef OFFGRAPH_KV_BF16_DOTS
-    if (!quad_words.empty())
-      quad_bf16(x + r * x_row, x_col, int64_t(xsum.size()), xsum.data(), quad_words.data(), quad_offsets.data());
-#endif
-    const bool quads = !quad_words.empty();
-    const Row row{xf.data(), xsum.data(), quads ? quad_words.data() : nullptr, quads ? quad_offsets.data() : nullptr};
-    X* yr = y + r * outputs;
-    const int64_t per = ((outputs + parts - 1) / parts + kBlockRows - 1) / kBlockRows * kBlockRows;
-
+  const int64_t per = ((outputs + parts - 1) / parts + kBlockRows - 1) / kBlockRows * kBlockRows;
 #pragma omp parallel for num_threads(parts) if (parts > 1) schedule(static, 1)
-    for (int64_t p = 0; p < parts; ++p) {
-      const int64_t begin = std::min(outputs, p * per), end = std::min(outputs, begin + per);
-      float d[kBlockRows];
-      int64_t n = begin;
-      for (; n + kBlockRows <= end; n += kBlockRows) {
-        format.template dots<kBlockRows>(n, row, d);
-        for (int64_t b = 0; b < kBlockRows; ++b) from_float(d[b], yr + n + b);
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t begin = std::min(outputs, p * per), end = std::min(outputs, begin + per);
+    float d[kBlockRows];
+    int64_t n = begin;
+    for (; n + kBlockRows <= end; n += kBlockRows)
+      for (int64_t r = 0; r < rows; ++r) {
+        format.template dots<kBlockRows>(n, a.row(r), d);
+        for (int64_t b = 0; b < kBlockRows; ++b) from_float(d[b], y + r * outputs + n + b);
       }
-      for (; n < end; ++n) {
-        format.template dots<1>(n, row, d);
-        from_float(d[0], yr + n);
+    for (; n < end; ++n)
+      for (int64_t r = 0; r < rows; ++r) {
+        format.template dots<1>(n, a.row(r), d);
+        from_float(d[0], y + r * outputs + n);
       }
-    }
   }
 }
 

@@ -4,7 +4,7 @@
 #   bash benchmarks/cpu/native/run.sh attention_from_memory REV [rounds]   # rows_attention.cpp (decode)
 #   bash benchmarks/cpu/native/run.sh wide_attention REV [rounds]          # rows_attention.cpp (64-wide steps)
 #   bash benchmarks/cpu/native/run.sh dynamic_linear_rows REV [rounds]     # dynamic_linear.cpp
-#   bash benchmarks/cpu/native/run.sh decode_linear_from_memory REV [rounds] # decode_linear.cpp (bf16)
+#   bash benchmarks/cpu/native/run.sh decode_linear_from_memory REV [rounds] # decode_linear.cpp (bf16, int8, int4)
 # Flags: inductor's ISA flags for this machine (as the export compiles the kernels), -O3, OpenMP.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
