@@ -4,9 +4,11 @@ forms (the fp32 sums the one-row reductions compute): fp32 / bf16 / fp16
 activations and weights, int8 rows with a scale each, int4 groups with and
 without zero points, input widths off the vector length, output counts off the
 four-output block and on both sides of a thread's share, several rows, strided
-activations; bf16 rows against int4 groups of 32 both through the bf16 dot
-product path (where the CPU has it) and with it turned off
-(``OFFGRAPH_KV_CPU_BF16_DOTS=0``), group counts off its four-group pass.
+activations. bf16 rows take paths of their own (int4 groups of 32: the bf16 dot
+product, where the CPU has it; int8 rows: int16 blocks, on AVX-512), each
+checked beside the fp32 path (``OFFGRAPH_KV_CPU_BF16_ROWS=fp32``) on group
+counts off its four-group pass and widths off its 64-input block; rows with a
+wide range of magnitudes and rows that are not finite.
 """
 
 from __future__ import annotations
@@ -99,15 +101,14 @@ def _tolerance(dtype: torch.dtype) -> Tuple[float, float]:
     return {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}[dtype]
 
 
-@pytest.mark.parametrize("bf16_dots", ["on", "off"])
+@pytest.mark.parametrize("bf16_rows", ["own", "fp32"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows,kgroups,n", [(1, 1, 1), (1, 3, 7), (1, 18, 576), (3, 5, 13), (1, 2, 1031),
                                             (2, 9, 4097), (4, 8, 6)])
-def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, rows, kgroups, n, threads, bf16_dots,
+def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, rows, kgroups, n, threads, bf16_rows,
                                                                     monkeypatch):
     runner, group = compiled
-    if bf16_dots == "off":
-        monkeypatch.setenv("OFFGRAPH_KV_CPU_BF16_DOTS", "0")  # read by the kernel at each call
+    monkeypatch.setenv("OFFGRAPH_KV_CPU_BF16_ROWS", bf16_rows)  # read by the kernels at each call
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # outputs split over what OpenMP allows (2: from 1,024 outputs)
     try:
@@ -120,3 +121,46 @@ def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, ro
         atol, rtol = _tolerance(want.dtype)
         torch.testing.assert_close(got[i].float(), want.float(), atol=atol, rtol=rtol, msg=lambda m: f"call {i}: {m}")
 
+
+
+def test_bf16_rows_of_a_wide_range_keep_the_fp32_paths_accuracy(compiled, monkeypatch):
+    """Values 2^-12 .. 2^12 of each other in one row (int16 blocks round those far below a block's
+    largest): the int8 and int4 results against the double-precision sums, as the fp32 path is."""
+    runner, group = compiled
+    args = _inputs(2, 12 * group, 37, group, seed=5)
+    g = torch.Generator().manual_seed(6)
+    args[0] = args[0] * torch.pow(2.0, torch.randint(-12, 13, args[0].shape, generator=g).float())
+    xt, _, _, _, q8, s8, p4, s4, _ = args
+    x = xt.t().bfloat16().double()
+    exact8 = (x @ q8.double().t()) * s8.bfloat16().double()
+    exact4 = x @ (_dequantized_int4(p4, s4.bfloat16().double())).t()
+    for how in ("own", "fp32"):
+        monkeypatch.setenv("OFFGRAPH_KV_CPU_BF16_ROWS", how)
+        got = runner.run(args)
+        for out, exact in ((got[len(DENSE) + 1], exact8), (got[len(DENSE) + 4], exact4)):
+            # bf16 outputs: one rounding, relative to the row's scale of sums
+            scale = exact.abs().amax(dim=1, keepdim=True)
+            err = ((out.double() - exact).abs() / scale).max().item()
+            assert err < 8e-3, (how, err)
+
+
+def test_bf16_rows_that_are_not_finite_give_what_the_fp32_path_gives(compiled, monkeypatch):
+    runner, group = compiled
+    args = _inputs(3, 4 * group, 9, group, seed=7)
+    args[0][5, 0] = float("inf")
+    args[0][7, 1] = float("nan")
+    results = {}
+    for how in ("own", "fp32"):
+        monkeypatch.setenv("OFFGRAPH_KV_CPU_BF16_ROWS", how)
+        results[how] = runner.run(args)
+    for i in (len(DENSE) + 1, len(DENSE) + 4):
+        own, fp32 = results["own"][i].float(), results["fp32"][i].float()
+        assert torch.equal(own.isnan(), fp32.isnan()) and torch.equal(own.isinf(), fp32.isinf()), i
+        assert not own[:2].isfinite().any() and own[2].isfinite().all(), i  # rows 0, 1 carry Inf / NaN
+
+
+def _dequantized_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from offgraph_kv.backend.quantized_linear import unpack_int4
+
+    q = unpack_int4(packed).double()
+    return q * scale.repeat_interleave(q.shape[1] // scale.shape[1], dim=1)

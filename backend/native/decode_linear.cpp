@@ -81,14 +81,25 @@ constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more th
 inline float widen(int8_t q) { return float(q); }
 
 // One row of activations, in the forms the formats read: fp32 (K values), the sum of each int4
-// group's, and, where the row is bf16 and the int4 groups are 32 wide, its values as bf16 in the
-// order Int4Groups' bf16 path reads them with that path's offsets (quad_bf16; else null).
+// group's, and, for a bf16 row of finite values only (else null): its values as bf16 in the order Int4Groups' bf16
+// path reads them with that path's offsets (quad_bf16), or as int16 blocks with their scales for
+// Int8Rows' integer path (int16_blocks).
 struct Row {
   const float* __restrict f;
   const float* __restrict group_sums;
   const uint16_t* __restrict bf16_quads;
   const float* __restrict quad_offsets;
+  const int16_t* __restrict int16;
+  const float* __restrict int16_scales;
 };
+
+// Whether bf16 rows may take the paths made for them (Int4Groups' bf16 dot products, Int8Rows' int16
+// blocks): OFFGRAPH_KV_CPU_BF16_ROWS=fp32 sends them down the fp32 path instead, for A/B runs and for
+// tests of both paths on one machine. Read once per call.
+inline bool bf16_row_paths() {
+  const char* how = std::getenv("OFFGRAPH_KV_CPU_BF16_ROWS");
+  return !(how && std::strcmp(how, "fp32") == 0);
+}
 
 // Independent accumulator chains per pass: one chain is bound by the FMA's latency (4 cycles), not
 // by the loads. On an AMD EPYC (Zen 4), where outputs are computed one at a time, a SmolLM2 step's
@@ -162,12 +173,114 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
 #endif
 };
 
+// int8 weights against a bf16 row held as int16 blocks (AVX-512 BW; VNNI's vpdpwssd where present):
+// per block of 64 inputs, the row's values as int16 multiples of a power of two, 2^(E - 14) for E the
+// exponent of the block's largest |x|. bf16 carries 8 significant bits, so every value within 2^7 of
+// the block's largest is exact; smaller ones are rounded to the nearest multiple (error below 2^-15 of
+// the block's largest: 2^6 below the rounding of its largest to bf16). The int8 x int16 products and
+// their sums in a block are exact in int32; each block's sum meets its scale in fp32. Against the fp32
+// path (a widening and a conversion per weight) a SmolLM2 step's int8 linears from memory took 0.55-0.7x
+// the time (`benchmarks/cpu/native/run.sh decode_linear_from_memory`).
+#if defined(__AVX512BW__)
+#define OFFGRAPH_KV_INT16_BLOCKS 1
+constexpr int64_t kInt16Block = 64;
+
+inline int64_t int16_padded(int64_t k) { return (k + kInt16Block - 1) / kInt16Block * kInt16Block; }
+
+// Row::int16 (padded with zeros to whole blocks) and Row::int16_scales from one row's fp32 values
+// `f` (k of them, all finite). Positive floats order as their bit patterns do, so the largest |x| is
+// one integer max; multiplying by the scale's inverse (a power of two) is exact, and the conversion
+// rounds to nearest.
+inline void int16_blocks(const float* f, int64_t k, int16_t* q, float* scales) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  for (int64_t b = 0; b * kInt16Block < k; ++b) {
+    const int64_t begin = b * kInt16Block, n = std::min(kInt16Block, k - begin);
+    __m512i v[4], largest = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const int64_t here = std::max<int64_t>(0, std::min<int64_t>(16, n - 16 * c));
+      v[c] = _mm512_maskz_loadu_epi32(__mmask16((1u << here) - 1), f + begin + 16 * c);
+      largest = _mm512_max_epu32(largest, _mm512_and_si512(v[c], magnitude));
+    }
+    const uint32_t bits = uint32_t(_mm512_reduce_max_epu32(largest));
+    // largest in [2^e, 2^(e+1)); scale 2^(e - 14) (tiny blocks: 2^-114, where every value rounds to 0)
+    const int e = std::max(-100, int(bits >> 23) - 127);
+    scales[b] = std::ldexp(1.f, e - 14);
+    const __m512 inverse = _mm512_set1_ps(std::ldexp(1.f, 14 - e));
+    for (int c = 0; c < 4; ++c) {
+      const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(v[c]), inverse));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + begin + 16 * c), _mm512_cvtsepi32_epi16(r));
+    }
+  }
+}
+
+inline __m512i int16_products(__m512i acc, __m512i w, __m512i x) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+// One block of 64 weights; `n` < 64: a short last block, masked, against zero padding.
+template <bool kWhole>
+inline __m512 int16_block(const int8_t* w, const int16_t* x, float scale, int64_t n, __m512 acc) {
+  __m256i a, b;
+  if (kWhole) {
+    a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+  } else {
+    a = _mm256_maskz_loadu_epi8(n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1, w);
+    b = _mm256_maskz_loadu_epi8(n <= 32 ? 0 : (__mmask32(1) << (n - 32)) - 1, w + 32);
+  }
+  const __m512i s = int16_products(int16_products(_mm512_setzero_si512(), _mm512_cvtepi8_epi16(a), _mm512_loadu_si512(x)),
+                                   _mm512_cvtepi8_epi16(b), _mm512_loadu_si512(x + 32));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(scale), acc);
+}
+#endif
+
 template <typename S>
 struct Int8Rows {  // int8 weights [N, K], one scale per output row
   Dense<int8_t> q;
   const S* scale;
+
+  bool takes_int16_blocks() const {
+#ifdef OFFGRAPH_KV_INT16_BLOCKS
+    return true;
+#else
+    return false;
+#endif
+  }
+
   template <int B>
   void dots(int64_t n, const Row& row, float* out) const {
+#ifdef OFFGRAPH_KV_INT16_BLOCKS
+    if (row.int16) {
+      // the B rows one after another, their horizontal sums together (as Dense)
+      __m512 sums[B];
+      const int64_t k = q.k;
+      for (int b = 0; b < B; ++b) {
+        const int8_t* w = q.w + (n + b) * k;
+        __m512 acc = _mm512_setzero_ps(), other = _mm512_setzero_ps();  // two chains
+        int64_t i = 0;
+        for (; i + 2 * kInt16Block <= k; i += 2 * kInt16Block) {
+          acc = int16_block<true>(w + i, row.int16 + i, row.int16_scales[i / kInt16Block], kInt16Block, acc);
+          other = int16_block<true>(w + i + kInt16Block, row.int16 + i + kInt16Block,
+                                    row.int16_scales[i / kInt16Block + 1], kInt16Block, other);
+        }
+        for (; i + kInt16Block <= k; i += kInt16Block)
+          acc = int16_block<true>(w + i, row.int16 + i, row.int16_scales[i / kInt16Block], kInt16Block, acc);
+        if (i < k) acc = int16_block<false>(w + i, row.int16 + i, row.int16_scales[i / kInt16Block], k - i, acc);
+        sums[b] = _mm512_add_ps(acc, other);
+      }
+      if constexpr (B == 4) {
+        alignas(16) float four[4];
+        _mm_store_ps(four, vsum4(sums[0], sums[1], sums[2], sums[3]));
+        for (int b = 0; b < 4; ++b) out[b] = four[b];
+      } else {
+        for (int b = 0; b < B; ++b) out[b] = _mm512_reduce_add_ps(sums[b]);
+      }
+    } else
+#endif
     q.template dots<B>(n, row, out);
     for (int b = 0; b < B; ++b) out[b] *= widen(scale[n + b]);
   }
@@ -194,15 +307,12 @@ constexpr float kNibbleOffset = 24.f;              // (16 + n) - (n - 8)
 // prefetcher behind (from memory, 2-3 KB ahead took 0.8-0.85x the time of none; 0.5 KB no gain).
 constexpr int64_t kPrefetchBytes = 2048;
 
-// The CPU has the instruction and OFFGRAPH_KV_CPU_BF16_DOTS is not "0" (the fp32 path then serves
-// bf16 rows too: for A/B runs and tests of both paths on one machine; read at each call, once).
 inline bool has_bf16_dots() {
   static const bool cpu = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") != 0;
   }();
-  const char* off = std::getenv("OFFGRAPH_KV_CPU_BF16_DOTS");
-  return cpu && !(off && std::strcmp(off, "0") == 0);
+  return cpu;
 }
 
 inline int64_t quads(int64_t groups) { return (groups + 3) / 4; }
@@ -293,7 +403,7 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
   // The stored nibble less this is q - zero: w = (nibble - offset) * scale.
   int32_t offset(int64_t row, int64_t g) const { return 8 + (zero ? int32_t(zero[row * groups + g]) : 0); }
 
-  // Whether the bf16 path serves a bf16 row (linear_rows then fills Row::bf16_quads).
+  // Whether the bf16 path serves a bf16 row (prepare then fills Row::bf16_quads).
   bool takes_bf16_quads() const {
 #ifdef OFFGRAPH_KV_BF16_DOTS
     return 2 * half == kQuadGroup && has_bf16_dots();
@@ -379,7 +489,7 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
 #endif
 };
 
-// Whether a format reads Row::bf16_quads (only Int4Groups has the bf16 path).
+// Whether a format reads Row::bf16_quads (Int4Groups' bf16 path) or Row::int16 (Int8Rows').
 template <typename Format>
 bool takes_bf16_quads(const Format&) {
   return false;
@@ -388,6 +498,14 @@ template <typename S>
 bool takes_bf16_quads(const Int4Groups<S>& format) {
   return format.takes_bf16_quads();
 }
+template <typename Format>
+bool takes_int16_blocks(const Format&) {
+  return false;
+}
+template <typename S>
+bool takes_int16_blocks(const Int8Rows<S>& format) {
+  return format.takes_int16_blocks();
+}
 
 // ----------------------------------------------------------------------------
 // Rows of activations in, rows of outputs out
@@ -395,22 +513,21 @@ bool takes_bf16_quads(const Int4Groups<S>& format) {
 
 // The activations of all a call's rows, in every form the format reads (Row), prepared once.
 struct Rows {
-  std::vector<float> f, group_sums, quad_offsets;
+  std::vector<float> f, group_sums, quad_offsets, int16_scales;
   std::vector<uint16_t> quad_words;
-  int64_t k = 0, groups = 0;
+  std::vector<int16_t> int16;
+  std::vector<char> finite;  // per row: all its values are (else the fp32 path carries Inf / NaN through)
+  int64_t k = 0, groups = 0, quad_stride = 0, offset_stride = 0, int16_stride = 0, scale_stride = 0;
   Row row(int64_t r) const {
-    const bool quads = !quad_words.empty();
-    return {f.data() + r * k, group_sums.data() + r * groups,
-            quads ? quad_words.data() + r * quad_stride() : nullptr,
-            quads ? quad_offsets.data() + r * offset_stride() : nullptr};
+    const bool own = !finite.empty() && finite[r];
+    const bool quads = own && !quad_words.empty(), blocks = own && !int16.empty();
+    return {f.data() + r * k,
+            group_sums.data() + r * groups,
+            quads ? quad_words.data() + r * quad_stride : nullptr,
+            quads ? quad_offsets.data() + r * offset_stride : nullptr,
+            blocks ? int16.data() + r * int16_stride : nullptr,
+            blocks ? int16_scales.data() + r * scale_stride : nullptr};
   }
-#ifdef OFFGRAPH_KV_BF16_DOTS
-  int64_t quad_stride() const { return quads(groups) * kQuadWords; }
-  int64_t offset_stride() const { return quads(groups) * kQuadFloats; }
-#else
-  int64_t quad_stride() const { return 0; }
-  int64_t offset_stride() const { return 0; }
-#endif
 };
 
 template <typename X, typename Format>
@@ -429,14 +546,33 @@ Rows prepare(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, 
       a.group_sums[r * a.groups + g] = s;
     }
   }
+  // The bf16 rows' own paths (their values reach the bf16 products unchanged, or the int16 blocks
+  // exactly within 2^7 of a block's largest; fp32 or fp16 rows would lose more).
+  if (!std::is_same<X, Bf16>::value || !bf16_row_paths()) return a;
+  a.finite.resize(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    a.finite[r] = std::all_of(a.f.begin() + r * k, a.f.begin() + (r + 1) * k, [](float v) { return std::isfinite(v); });
 #ifdef OFFGRAPH_KV_BF16_DOTS
-  // bf16 rows only: their values go to the bf16 products unchanged (fp32 or fp16 ones would round)
-  if (std::is_same<X, Bf16>::value && takes_bf16_quads(format)) {
-    a.quad_words.resize(rows * a.quad_stride());
-    a.quad_offsets.resize(rows * a.offset_stride());
+  if (takes_bf16_quads(format)) {
+    a.quad_stride = quads(a.groups) * kQuadWords;
+    a.offset_stride = quads(a.groups) * kQuadFloats;
+    a.quad_words.resize(rows * a.quad_stride);
+    a.quad_offsets.resize(rows * a.offset_stride);
     for (int64_t r = 0; r < rows; ++r)
       quad_bf16(x + r * x_row, x_col, a.groups, a.group_sums.data() + r * a.groups,
-                a.quad_words.data() + r * a.quad_stride(), a.quad_offsets.data() + r * a.offset_stride());
+                a.quad_words.data() + r * a.quad_stride, a.quad_offsets.data() + r * a.offset_stride);
+  }
+#endif
+#ifdef OFFGRAPH_KV_INT16_BLOCKS
+  if (takes_int16_blocks(format)) {
+    a.int16_stride = int16_padded(k);
+    a.scale_stride = a.int16_stride / kInt16Block;
+    a.int16.resize(rows * a.int16_stride);
+    a.int16_scales.resize(rows * a.scale_stride);
+    for (int64_t r = 0; r < rows; ++r)
+      if (a.finite[r])
+        int16_blocks(a.f.data() + r * k, k, a.int16.data() + r * a.int16_stride,
+                     a.int16_scales.data() + r * a.scale_stride);
   }
 #endif
   return a;
