@@ -112,6 +112,20 @@ constexpr int chains_per_output() {
   return B >= kChains ? 1 : kChains / B;
 }
 
+#ifdef OFFGRAPH_KV_VECTOR
+// out[b] = the sum of sums[b]'s lanes; four at a time in one transposing sum.
+template <int B>
+inline void horizontal_sums(const Vec* sums, float* out) {
+  if constexpr (B == 4) {
+    alignas(16) float four[4];
+    _mm_store_ps(four, vsum4(sums[0], sums[1], sums[2], sums[3]));
+    for (int b = 0; b < 4; ++b) out[b] = four[b];
+  } else {
+    for (int b = 0; b < B; ++b) out[b] = vsum(sums[b]);
+  }
+}
+#endif
+
 template <typename W>
 struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int8Rows applies)
   const W* w;
@@ -129,13 +143,8 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
       for (int b = 0; b < B; ++b) sweep<1>(n + b, row.f, &sums[b], &tails[b]);
     else
       sweep<B>(n, row.f, sums, tails);
-    if constexpr (B == 4) {
-      alignas(16) float four[4];
-      _mm_store_ps(four, vsum4(sums[0], sums[1], sums[2], sums[3]));
-      for (int b = 0; b < 4; ++b) out[b] = four[b] + tails[b];
-    } else {
-      for (int b = 0; b < B; ++b) out[b] = vsum(sums[b]) + tails[b];
-    }
+    horizontal_sums<B>(sums, out);
+    for (int b = 0; b < B; ++b) out[b] += tails[b];
 #else
     for (int b = 0; b < B; ++b) {
       out[b] = 0.f;
@@ -272,13 +281,7 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
         if (i < k) acc = int16_block<false>(w + i, row.int16 + i, row.int16_scales[i / kInt16Block], k - i, acc);
         sums[b] = _mm512_add_ps(acc, other);
       }
-      if constexpr (B == 4) {
-        alignas(16) float four[4];
-        _mm_store_ps(four, vsum4(sums[0], sums[1], sums[2], sums[3]));
-        for (int b = 0; b < 4; ++b) out[b] = four[b];
-      } else {
-        for (int b = 0; b < B; ++b) out[b] = _mm512_reduce_add_ps(sums[b]);
-      }
+      horizontal_sums<B>(sums, out);
     } else
 #endif
     q.template dots<B>(n, row, out);
@@ -385,11 +388,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void int4_bf16_d
       acc[r] = _mm512_fmadd_ps(dots, quad_scales(scale + r * groups + g, here), acc[r]);
     }
   }
-  if (R == 4) {
-    _mm_storeu_ps(out, vsum4(acc[0], acc[1], acc[2], acc[3]));
-  } else {
-    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-  }
+  horizontal_sums<R>(acc, out);
 }
 #endif
 
