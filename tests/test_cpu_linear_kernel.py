@@ -97,8 +97,9 @@ def compiled(request, tmp_path_factory) -> "Tuple[torch._C._aoti.AOTIModelContai
 
 
 def _tolerance(dtype: torch.dtype) -> Tuple[float, float]:
-    # One rounding of an fp32 sum to the output dtype, plus the sums' order.
-    return {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}[dtype]
+    # One rounding of an fp32 sum to the output dtype, plus the sums' order (fp32: up to 1,536 terms of
+    # either sign summed in another order than the reference's, a few ulps of the terms' magnitude).
+    return {torch.float32: (3e-5, 3e-5), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (2e-3, 2e-3)}[dtype]
 
 
 @pytest.mark.parametrize("bf16_rows", ["own", "fp32"])

@@ -101,11 +101,11 @@ inline bool bf16_row_paths() {
   return !(how && std::strcmp(how, "fp32") == 0);
 }
 
-// Independent accumulator chains per pass: one chain is bound by the FMA's latency (4 cycles), not
-// by the loads. On an AMD EPYC (Zen 4), where outputs are computed one at a time, a SmolLM2 step's
-// int8 linears took 9.5-10.9 ms with one chain (134 M weights / 16 lanes x 4 cycles at 3.4 GHz)
-// (`benchmarks/cpu/native/run.sh decode_linear_from_memory`); each output of a block of B keeps
-// kChains / B chains.
+// Independent accumulator chains per pass where the arithmetic bounds a format (int4 through fp32:
+// a nibble split, two conversions and FMAs per pair of weights), since one chain waits on the FMA's
+// latency (4 cycles); each output of a block of B keeps kChains / B chains. Dense rows keep one chain a
+// row: from memory, four chains a row took 1.1-1.25x one chain's time for a SmolLM2 step's bf16
+// linears on an AMD EPYC (Zen 4) (the loads issued in bursts; in cache four were 1.3x faster).
 constexpr int kChains = 4;
 template <int B>
 constexpr int chains_per_output() {
@@ -157,24 +157,13 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
   // The B rows' dots from n as vectors (sums) and the inputs past the last whole vector (tails).
   template <int B>
   void sweep(int64_t n, const float* __restrict xf, Vec* sums, float* tails) const {
-    constexpr int U = chains_per_output<B>();
-    Vec acc[B][U];
-    for (int b = 0; b < B; ++b)
-      for (int u = 0; u < U; ++u) acc[b][u] = vzero();
+    for (int b = 0; b < B; ++b) sums[b] = vzero();
     int64_t x = 0;
-    for (; x + U * kLanes <= k; x += U * kLanes)
-#pragma GCC unroll 4  // whole: the accumulators stay in registers
-      for (int u = 0; u < U; ++u) {
-        const Vec xv = vload(xf + x + u * kLanes);
-        for (int b = 0; b < B; ++b) acc[b][u] = vfma(vload(w + (n + b) * k + x + u * kLanes), xv, acc[b][u]);
-      }
     for (; x + kLanes <= k; x += kLanes) {
       const Vec xv = vload(xf + x);
-      for (int b = 0; b < B; ++b) acc[b][0] = vfma(vload(w + (n + b) * k + x), xv, acc[b][0]);
+      for (int b = 0; b < B; ++b) sums[b] = vfma(vload(w + (n + b) * k + x), xv, sums[b]);
     }
     for (int b = 0; b < B; ++b) {
-      for (int u = 1; u < U; ++u) acc[b][0] = vadd(acc[b][0], acc[b][u]);
-      sums[b] = acc[b][0];
       tails[b] = 0.f;
       for (int64_t i = x; i < k; ++i) tails[b] += widen(w[(n + b) * k + i]) * xf[i];
     }
