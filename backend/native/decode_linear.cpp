@@ -177,8 +177,8 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
 // the block's largest is exact; smaller ones are rounded to the nearest multiple (error below 2^-15 of
 // the block's largest: 2^6 below the rounding of its largest to bf16). The int8 x int16 products and
 // their sums in a block are exact in int32; each block's sum meets its scale in fp32. Against the fp32
-// path (a widening and a conversion per weight) a SmolLM2 step's int8 linears from memory took 0.55-0.7x
-// the time (`benchmarks/cpu/native/run.sh decode_linear_from_memory`).
+// path (a widening and a conversion per weight) a SmolLM2 step's int8 linears from memory took 0.7-0.85x
+// the time (`benchmarks/cpu/native/run.sh decode_linear_from_memory`; the memory's rate bounds it).
 #if defined(__AVX512BW__)
 #define OFFGRAPH_KV_INT16_BLOCKS 1
 constexpr int64_t kInt16Block = 64;
@@ -287,8 +287,9 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
 // Four groups a pass, one per 128-bit lane: 64 packed bytes split into low and high nibbles, the
 // bytes widened to bf16 words by in-lane unpacks with the constant high byte 0x41, four dot-product
 // instructions, one scale vector (a group's scale in its lane's four floats). The activations are
-// laid out once per row in the unpacks' order (quad_bf16). On an AMD EPYC (Zen 4) this took ~40 %
-// of the fp32 path's time per weight (`benchmarks/cpu/native/run.sh decode_linear_from_memory`).
+// laid out once per row in the unpacks' order (quad_bf16). On an AMD EPYC (Zen 4) a SmolLM2 step's
+// int4 linears from memory took 0.45-0.55x the fp32 path's time (`benchmarks/cpu/native/run.sh
+// decode_linear_from_memory`).
 #if defined(__AVX512F__) && defined(__GNUC__)
 #define OFFGRAPH_KV_BF16_DOTS 1
 constexpr int64_t kQuadGroup = 32;                 // the group width the bf16 path takes
