@@ -27,7 +27,9 @@ linears): one row -> our kernel, ``native/decode_linear.cpp`` (the default
 mode, and ``=kernel``), or with ``OFFGRAPH_KV_CPU_GEMV=reduce`` one fused
 inductor reduction over the stored integers (either way the weight bytes read
 once, dequantised in registers, fp32 accumulation; where the kernel does not
-take the dtypes, the reduction),
+take the dtypes, the reduction; on bf16 rows the kernel takes int4 groups of 32
+through bf16 dot products and int8 rows against the activations as int16
+blocks, see its comments),
 wider -> what a GEMM needs (int8 in bf16: ATen's int8 GEMM; int8 in fp32:
 the weight dequantised, then ``mm``, torchao's own form; int4: each nibble
 half dequantised, then two ``mm``). Elsewhere the wider form serves every
