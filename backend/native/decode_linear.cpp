@@ -131,6 +131,10 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
   const W* w;
   int64_t k;
 
+  // Which of a bf16 row's own forms the format reads (Row::bf16_quads, Row::int16): here neither.
+  bool takes_bf16_quads() const { return false; }
+  bool takes_int16_blocks() const { return false; }
+
   // out[b] for the B rows from n: on machines that read rows side by side (rows_side_by_side) one
   // sweep over the activations for all B; elsewhere one row after another, their horizontal sums
   // still taken together (a sum and a store a row cost SmolLM2's 576-input rows ~10 %).
@@ -241,6 +245,7 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
   Dense<int8_t> q;
   const S* scale;
 
+  bool takes_bf16_quads() const { return false; }
   bool takes_int16_blocks() const {
 #ifdef OFFGRAPH_KV_INT16_BLOCKS
     return true;
@@ -392,6 +397,7 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
   // The stored nibble less this is q - zero: w = (nibble - offset) * scale.
   int32_t offset(int64_t row, int64_t g) const { return 8 + (zero ? int32_t(zero[row * groups + g]) : 0); }
 
+  bool takes_int16_blocks() const { return false; }
   // Whether the bf16 path serves a bf16 row (prepare then fills Row::bf16_quads).
   bool takes_bf16_quads() const {
 #ifdef OFFGRAPH_KV_BF16_DOTS
@@ -478,24 +484,6 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
 #endif
 };
 
-// Whether a format reads Row::bf16_quads (Int4Groups' bf16 path) or Row::int16 (Int8Rows').
-template <typename Format>
-bool takes_bf16_quads(const Format&) {
-  return false;
-}
-template <typename S>
-bool takes_bf16_quads(const Int4Groups<S>& format) {
-  return format.takes_bf16_quads();
-}
-template <typename Format>
-bool takes_int16_blocks(const Format&) {
-  return false;
-}
-template <typename S>
-bool takes_int16_blocks(const Int8Rows<S>& format) {
-  return format.takes_int16_blocks();
-}
-
 // ----------------------------------------------------------------------------
 // Rows of activations in, rows of outputs out
 // ----------------------------------------------------------------------------
@@ -542,7 +530,7 @@ Rows prepare(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, 
   for (int64_t r = 0; r < rows; ++r)
     a.finite[r] = std::all_of(a.f.begin() + r * k, a.f.begin() + (r + 1) * k, [](float v) { return std::isfinite(v); });
 #ifdef OFFGRAPH_KV_BF16_DOTS
-  if (takes_bf16_quads(format)) {
+  if (format.takes_bf16_quads()) {
     a.quad_stride = quads(a.groups) * kQuadWords;
     a.offset_stride = quads(a.groups) * kQuadFloats;
     a.quad_words.resize(rows * a.quad_stride);
@@ -553,7 +541,7 @@ Rows prepare(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, 
   }
 #endif
 #ifdef OFFGRAPH_KV_INT16_BLOCKS
-  if (takes_int16_blocks(format)) {
+  if (format.takes_int16_blocks()) {
     a.int16_stride = int16_padded(k);
     a.scale_stride = a.int16_stride / kInt16Block;
     a.int16.resize(rows * a.int16_stride);
