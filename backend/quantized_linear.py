@@ -30,10 +30,13 @@ once, dequantised in registers, fp32 accumulation; where the kernel does not
 take the dtypes, the reduction; on bf16 rows the kernel takes int4 groups of 32
 through bf16 dot products and int8 rows against the activations as int16
 blocks, see its comments),
-wider -> what a GEMM needs (int8 in bf16: ATen's int8 GEMM; int8 in fp32:
-the weight dequantised, then ``mm``, torchao's own form; int4: each nibble
-half dequantised, then two ``mm``). Elsewhere the wider form serves every
-width.
+wider -> on CPU with bf16 activations, on a machine with the AVX-512 bf16 dot
+product, the same kernels' GEMM (``native/wide_rows.h``: the weights
+dequantized to bf16 a block of rows at a time, torchao's rounding); otherwise
+what a GEMM needs (int8: the weight dequantised, then ``mm``, torchao's own
+form; int4: each nibble half dequantised, then two ``mm``; on CPU a
+cache-sized block of weight rows at a time, ``block_rows``). Elsewhere the
+wider form serves every width.
 
 Why the reductions are shaped as they are (inductor's C++ backend; kernels
 measured by ``benchmarks/cpu/quant_gemv.py``): the inner dim of each reduction
@@ -224,10 +227,41 @@ def int8_one_row(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> t
     return ((_fp32_rows(x).unsqueeze(1) * qdata.float()).sum(-1) * scale.float()).to(x.dtype)
 
 
-def int8_many_rows(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if x.dtype == torch.bfloat16:  # ATen's int8 GEMM reads int8 as stored; vectorised for bf16 only
-        return torch.ops.aten._weight_int8pack_mm(x, qdata, scale)
-    return torch.mm(x, qdata.t().to(x.dtype)) * scale.to(x.dtype)  # torchao's own form
+# Wider steps dequantize a block of weight rows at a time on CPU: the block is cache-sized and the
+# transient is one block, not the whole weight (SmolLM2's 49152 x 576 output in bf16: 54 MiB at once).
+# Measured with 64 bf16 rows (2 cores, one thread): that output 70-76 ms whole, 26-32 ms in blocks of
+# 2,048 rows, 60-64 ms (int4) in blocks of 1,024; ATen's int8 GEMM 120 ms, and 8.0 against 3.9-4.2 ms
+# for a SmolLM2 layer's seven linears.
+_BLOCK_BYTES = 5 << 19
+
+
+def block_rows(k: int, dtype: torch.dtype) -> int:
+    """Weight rows a wider step dequantizes at once on CPU: a power of two, at least 64, whose
+    ``[rows, k]`` block in ``dtype`` fits ``_BLOCK_BYTES``."""
+    rows = max(64, _BLOCK_BYTES // (k * torch.empty((), dtype=dtype).element_size()))
+    return 1 << (rows.bit_length() - 1)
+
+
+def _in_row_blocks(form: Callable[..., torch.Tensor], x: torch.Tensor, block: Optional[int],
+                   *weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """``form(x, *weights)`` over blocks of ``block`` output rows (``None``: all at once), concatenated."""
+    n = weights[0].shape[0]
+    if block is None or n <= block:
+        return form(x, *weights)
+    return torch.cat([form(x, *(None if w is None else w[n0:n0 + block] for w in weights))
+                      for n0 in range(0, n, block)], dim=-1)
+
+
+def _int8_dequantized_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # torchao's own form: the weight dequantized in fp32 and rounded to x's dtype, then mm.
+    return torch.mm(x, (qdata.float() * scale.float().unsqueeze(-1)).to(x.dtype).t())
+
+
+def int8_many_rows(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                   block: Optional[int] = None) -> torch.Tensor:
+    """Wider steps: the weight dequantized (``block`` rows at a time), then ``mm``. (ATen's int8 GEMM,
+    which reads the int8 as stored, was 2x slower on a SmolLM2 layer in bf16 and scalar in fp32.)"""
+    return _in_row_blocks(_int8_dequantized_mm, x, block, qdata, scale)
 
 
 def _int4_dots(xg: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -261,10 +295,16 @@ def int4_weight(packed: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.
 
 
 def int4_many_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                   zero: Optional[torch.Tensor]) -> torch.Tensor:
-    """Wider steps: the low and the high nibbles dequantised as two ``[N, K/2]`` weights, each
-    multiplied with the inputs it holds (64 x 1536 x 576 bf16: 0.36 ms, against 0.66 ms for one
-    interleaved ``[N, K]`` weight, whose select of a nibble per input inductor does not vectorise)."""
+                   zero: Optional[torch.Tensor], block: Optional[int] = None) -> torch.Tensor:
+    """Wider steps: the low and the high nibbles dequantised as two ``[N, K/2]`` weights (``block`` rows
+    at a time), each multiplied with the inputs it holds (64 x 1536 x 576 bf16: 0.36 ms, against 0.66
+    ms for one interleaved ``[N, K]`` weight, whose select of a nibble per input inductor does not
+    vectorise)."""
+    return _in_row_blocks(_int4_halves_mm, x, block, packed, scale, zero)
+
+
+def _int4_halves_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                    zero: Optional[torch.Tensor]) -> torch.Tensor:
     n, groups, half = packed.shape
     xg = x.reshape(-1, groups, 2, half)
     offset = 8.0 if zero is None else zero.float().unsqueeze(-1) + 8.0
@@ -348,6 +388,25 @@ def _by_width(one_row: Callable[..., torch.Tensor], many_rows: Callable[..., tor
     return call
 
 
+def _wide(many_rows: Callable[..., torch.Tensor], kernel: Callable[..., torch.Tensor],
+          cpu: bool) -> Callable[..., torch.Tensor]:
+    """A wider step's form: on CPU our kernel's GEMM where it takes the step (bf16 rows,
+    ``decode_gemv.wide_kernel_takes``), else the weight dequantized ``block_rows`` rows at a time, then
+    ``mm``; elsewhere the whole weight dequantized, then ``mm``."""
+    from offgraph_kv.backend.decode_gemv import KERNEL_FLOATS, wide_kernel_takes
+
+    def call(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        if cpu and weights[1].dtype in KERNEL_FLOATS and wide_kernel_takes(x, *weights):
+            return kernel(x, *weights)
+        return many_rows(x, *weights, block=block_rows(x.shape[-1], x.dtype) if cpu else None)
+    return call
+
+
+def _int4_symmetric_many_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                              block: Optional[int] = None) -> torch.Tensor:
+    return int4_many_rows(x, packed, scale, None, block)
+
+
 def _without_zero(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     # torch.cond's operands must be tensors: a symmetric int4 linear's branches take no zero point.
     return lambda x, packed, scale: fn(x, packed, scale, None)
@@ -379,16 +438,19 @@ def lower_quantized_linears(program: fx.GraphModule, reduce: bool, cpu: bool = F
         ops = torch.ops.offgraph_kv
         if node.target is ops.int8_linear.default:
             one = _kernel_or(int8_one_row, ops.int8_linear_rows)
-            fn, args = _by_width(one, int8_many_rows, reduce), tuple(node.args)
+            many = _wide(int8_many_rows, ops.int8_linear_rows, cpu)
+            fn, args = _by_width(one, many, reduce), tuple(node.args)
         elif node.target is ops.int4_linear.default:
             x, packed, scale, zero = node.args
             if zero is None:
                 one = _kernel_or(_without_zero(int4_one_row), ops.int4_linear_rows)
-                fn = _by_width(one, _without_zero(int4_many_rows), reduce)
+                many = _wide(_int4_symmetric_many_rows, ops.int4_linear_rows, cpu)
                 args = (x, packed, scale)
             else:
                 one = _kernel_or(int4_one_row, ops.int4z_linear_rows)
-                fn, args = _by_width(one, int4_many_rows, reduce), (x, packed, scale, zero)
+                many = _wide(int4_many_rows, ops.int4z_linear_rows, cpu)
+                args = (x, packed, scale, zero)
+            fn = _by_width(one, many, reduce)
         elif node.target is ops.int4_da8_linear.default:
             fn, args = _da8_on(cpu, ops.int4_da8_linear_rows, int4_da8_torchao_form), tuple(node.args)
         elif node.target is ops.int8_da8_linear.default:

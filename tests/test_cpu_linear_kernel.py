@@ -124,6 +124,42 @@ def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, ro
 
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows,kgroups,n", [(4, 1, 13), (16, 5, 37), (17, 18, 100), (33, 3, 8), (64, 18, 576)])
+def test_wide_bf16_steps_give_torchaos_dequantize_then_mm(compiled, rows, kgroups, n, threads):
+    """Steps of 4 rows or more of bf16 activations: the GEMM on the bf16 dot product where the CPU has it
+    (native/wide_rows.h), else the per-row paths; either way what ATen's bf16 mm gives over the weights
+    dequantized in fp32 and rounded to bf16 (torchao's form), within the two results' roundings. Row and
+    output counts off the 16-row vector and the 8-output tile, both sides of a thread's share."""
+    from offgraph_kv.backend import quantized_linear as ql
+
+    runner, group = compiled
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        args = _inputs(rows, kgroups * group, n, group, seed=rows * 31 + n)
+        got = runner.run(args)
+    finally:
+        torch.set_num_threads(before)
+    xt, _, wbf, _, q8, s8, p4, s4, z4 = args
+    x = xt.t().bfloat16()
+    bf = torch.bfloat16
+    want = {1: torch.mm(x, wbf.t()),
+            len(DENSE) + 1: ql.int8_many_rows(x, q8, s8.to(bf)),
+            len(DENSE) + 3: ql.int4_many_rows(x, p4, s4.to(bf), z4),
+            len(DENSE) + 4: ql.int4_many_rows(x, p4, s4.to(bf), None),
+            len(DENSE) + 5: ql.int4_many_rows(x, p4, s4, None),
+            len(DENSE) + 6: ql.int4_many_rows(x, p4, s4.half(), None),
+            len(DENSE) + 7: ql.int4_many_rows(x, p4, s4, z4)}
+    for i, w in want.items():
+        assert got[i].dtype == bf and got[i].shape == (rows, n), i
+        # the same exact products summed in two orders in fp32, each rounded once to bf16: apart by at
+        # most an ulp of bf16 (2^-7 of the row's largest) and the sums' order
+        scale = w.float().abs().amax(dim=1, keepdim=True)
+        err = ((got[i].float() - w.float()).abs() / scale).max().item()
+        assert err <= 2 ** -6, (i, err)
+
+
 def test_bf16_rows_of_a_wide_range_keep_the_fp32_paths_accuracy(compiled, monkeypatch):
     """Values 2^-12 .. 2^12 of each other in one row (int16 blocks round those far below a block's
     largest): the int8 and int4 results against the double-precision sums, as the fp32 path is."""

@@ -23,6 +23,7 @@
 #include "linear_call.h"
 #include "shim_view.h"
 #include "vec.h"
+#include "wide_rows.h"
 
 #include <algorithm>
 #include <cmath>
@@ -134,6 +135,11 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
   // Which of a bf16 row's own forms the format reads (Row::bf16_quads, Row::int16): here neither.
   bool takes_bf16_quads() const { return false; }
   bool takes_int16_blocks() const { return false; }
+  // Wide steps of bf16 rows (wide_rows.h) read bf16 weights as stored.
+  bool takes_wide() const { return std::is_same<W, Bf16>::value; }
+  const uint16_t* bf16_rows(int64_t n0, int64_t, uint16_t*) const {
+    return reinterpret_cast<const uint16_t*>(w + n0 * k);
+  }
 
   // out[b] for the B rows from n: on machines that read rows side by side (rows_side_by_side) one
   // sweep over the activations for all B; elsewhere one row after another, their horizontal sums
@@ -240,6 +246,35 @@ inline __m512 int16_block(const int8_t* w, const int16_t* x, float scale, int64_
 }
 #endif
 
+#ifdef OFFGRAPH_KV_WIDE_ROWS
+// Weight rows dequantized to bf16 for wide steps (wide_rows.h), as torchao's dequantize computes them:
+// the value times its scale in fp32, then rounded to bf16.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void int8_bf16_row(const int8_t* q, int64_t k,
+                                                                                          float scale, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + i)));
+    offgraph_kv_native::bf16_store(out + i, _mm512_mul_ps(v, s), m);
+  }
+}
+
+// One int4 group (its `half` bytes: inputs j in the low nibbles, j + half in the high ones).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void int4_bf16_group(
+    const uint8_t* p, int64_t half, int32_t offset, float scale, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512i off = _mm512_set1_epi32(offset), low = _mm512_set1_epi32(15);
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = half - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (half - i)) - 1);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p + i));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, low), off));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), off));
+    offgraph_kv_native::bf16_store(out + i, _mm512_mul_ps(lo, s), m);
+    offgraph_kv_native::bf16_store(out + half + i, _mm512_mul_ps(hi, s), m);
+  }
+}
+#endif
+
 template <typename S>
 struct Int8Rows {  // int8 weights [N, K], one scale per output row
   Dense<int8_t> q;
@@ -253,6 +288,13 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
     return false;
 #endif
   }
+  bool takes_wide() const { return true; }
+#ifdef OFFGRAPH_KV_WIDE_ROWS
+  const uint16_t* bf16_rows(int64_t n0, int64_t count, uint16_t* out) const {
+    for (int64_t j = 0; j < count; ++j) int8_bf16_row(q.w + (n0 + j) * q.k, q.k, widen(scale[n0 + j]), out + j * q.k);
+    return out;
+  }
+#endif
 
   template <int B>
   void dots(int64_t n, const Row& row, float* out) const {
@@ -398,6 +440,19 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
   int32_t offset(int64_t row, int64_t g) const { return 8 + (zero ? int32_t(zero[row * groups + g]) : 0); }
 
   bool takes_int16_blocks() const { return false; }
+  bool takes_wide() const { return true; }
+#ifdef OFFGRAPH_KV_WIDE_ROWS
+  const uint16_t* bf16_rows(int64_t n0, int64_t count, uint16_t* out) const {
+    const int64_t k = groups * 2 * half;
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t row = n0 + j;
+        int4_bf16_group(packed + (row * groups + g) * half, half, offset(row, g), widen(scale[row * groups + g]),
+                        out + j * k + g * 2 * half);
+      }
+    return out;
+  }
+#endif
   // Whether the bf16 path serves a bf16 row (prepare then fills Row::bf16_quads).
   bool takes_bf16_quads() const {
 #ifdef OFFGRAPH_KV_BF16_DOTS
@@ -562,6 +617,19 @@ Rows prepare(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, 
 template <typename X, typename Format>
 void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, int64_t outputs, int64_t group,
                  const Format& format, X* y) {
+#ifdef OFFGRAPH_KV_WIDE_ROWS
+  if constexpr (std::is_same<X, Bf16>::value) {
+    if (rows >= offgraph_kv_native::kWideMinRows && k % 2 == 0 && format.takes_wide() && has_bf16_dots() &&
+        bf16_row_paths()) {
+      offgraph_kv_native::wide_rows(offgraph_kv_native::row_pairs(x, x_row, x_col, rows, k), rows, k, outputs,
+                                    [&](int64_t n0, int64_t count, uint16_t* scratch) {
+                                      return format.bf16_rows(n0, count, scratch);
+                                    },
+                                    y);
+      return;
+    }
+  }
+#endif
   const Rows a = prepare(x, x_row, x_col, rows, k, group, format);
   int64_t parts = 1;
 #ifdef _OPENMP
