@@ -127,8 +127,9 @@ def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, ro
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows,kgroups,n", [(4, 1, 13), (16, 5, 37), (17, 18, 100), (33, 3, 8), (64, 18, 576)])
 def test_wide_bf16_steps_give_torchaos_dequantize_then_mm(compiled, rows, kgroups, n, threads):
-    """Steps of 4 rows or more of bf16 activations: the GEMM on the bf16 dot product where the CPU has it
-    (native/wide_rows.h), else the per-row paths; either way what ATen's bf16 mm gives over the weights
+    """Steps of several bf16 rows: the GEMM on the bf16 dot product where the CPU has it (native/wide_rows.h;
+    bf16 weights from 4 rows, int8 / int4 from 16), else the per-row paths; either way what ATen's bf16 mm
+    gives over the weights
     dequantized in fp32 and rounded to bf16 (torchao's form), within the two results' roundings. Row and
     output counts off the 16-row vector and the 8-output tile, both sides of a thread's share."""
     from offgraph_kv.backend import quantized_linear as ql

@@ -135,8 +135,10 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
   // Which of a bf16 row's own forms the format reads (Row::bf16_quads, Row::int16): here neither.
   bool takes_bf16_quads() const { return false; }
   bool takes_int16_blocks() const { return false; }
-  // Wide steps of bf16 rows (wide_rows.h) read bf16 weights as stored.
+  // Wide steps of bf16 rows (wide_rows.h) read bf16 weights as stored; from 4 rows a step the GEMM
+  // was 1.2x the per-row paths' speed, from 8 3x (`benchmarks/cpu/native/run.sh wide_linear_rows`).
   bool takes_wide() const { return std::is_same<W, Bf16>::value; }
+  int64_t wide_from_rows() const { return 4; }
   const uint16_t* bf16_rows(int64_t n0, int64_t, uint16_t*) const {
     return reinterpret_cast<const uint16_t*>(w + n0 * k);
   }
@@ -288,7 +290,10 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
     return false;
 #endif
   }
+  // The dequantization costs the GEMM its lead below 16 rows (8: int8 as fast, int4 0.75x the
+  // per-row paths' speed; 16: 1.8-1.9x; 64: 2.9-3.2x).
   bool takes_wide() const { return true; }
+  int64_t wide_from_rows() const { return 16; }
 #ifdef OFFGRAPH_KV_WIDE_ROWS
   const uint16_t* bf16_rows(int64_t n0, int64_t count, uint16_t* out) const {
     for (int64_t j = 0; j < count; ++j) int8_bf16_row(q.w + (n0 + j) * q.k, q.k, widen(scale[n0 + j]), out + j * q.k);
@@ -441,6 +446,7 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
 
   bool takes_int16_blocks() const { return false; }
   bool takes_wide() const { return true; }
+  int64_t wide_from_rows() const { return 16; }  // as Int8Rows
 #ifdef OFFGRAPH_KV_WIDE_ROWS
   const uint16_t* bf16_rows(int64_t n0, int64_t count, uint16_t* out) const {
     const int64_t k = groups * 2 * half;
@@ -619,7 +625,7 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
                  const Format& format, X* y) {
 #ifdef OFFGRAPH_KV_WIDE_ROWS
   if constexpr (std::is_same<X, Bf16>::value) {
-    if (rows >= offgraph_kv_native::kWideMinRows && k % 2 == 0 && format.takes_wide() && has_bf16_dots() &&
+    if (rows >= format.wide_from_rows() && k % 2 == 0 && format.takes_wide() && has_bf16_dots() &&
         bf16_row_paths()) {
       offgraph_kv_native::wide_rows(offgraph_kv_native::row_pairs(x, x_row, x_col, rows, k), rows, k, outputs,
                                     [&](int64_t n0, int64_t count, uint16_t* scratch) {

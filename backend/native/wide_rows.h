@@ -45,8 +45,6 @@ constexpr int64_t kWideLanes = 16;    // activation rows a vector
 constexpr int kWideOutputs = 8;       // outputs a register tile
 constexpr int kWideVectors = 2;       // activation vectors a register tile
 constexpr int64_t kWideBlock = 32;    // outputs whose bf16 rows a format hands over at once
-// Below this many rows a step stays on the per-row kernels (a 16-row vector mostly empty).
-constexpr int64_t kWideMinRows = 4;
 
 // The activations, pair-interleaved: words[(t * pairs + p) * 16 + i] = row 16t + i's inputs 2p, 2p + 1
 // (zero past the last row).

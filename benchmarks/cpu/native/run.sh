@@ -5,6 +5,7 @@
 #   bash benchmarks/cpu/native/run.sh wide_attention REV [rounds]          # rows_attention.cpp (64-wide steps)
 #   bash benchmarks/cpu/native/run.sh dynamic_linear_rows REV [rounds]     # dynamic_linear.cpp
 #   bash benchmarks/cpu/native/run.sh decode_linear_from_memory REV [rounds] # decode_linear.cpp (bf16, int8, int4)
+#   bash benchmarks/cpu/native/run.sh wide_linear_rows REV [rounds]         # decode_linear.cpp, steps of 2-64 rows
 # Flags: inductor's ISA flags for this machine (as the export compiles the kernels), -O3, OpenMP.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -12,7 +13,7 @@ bench=$1 rev=$2 rounds=${3:-3}
 case $bench in
   attention_from_memory | wide_attention) source=backend/native/rows_attention.cpp ;;
   dynamic_linear_rows) source=backend/native/dynamic_linear.cpp ;;
-  decode_linear_from_memory) source=backend/native/decode_linear.cpp ;;
+  decode_linear_from_memory | wide_linear_rows) source=backend/native/decode_linear.cpp ;;
   *) echo "unknown benchmark $bench" >&2; exit 2 ;;
 esac
 work=$(mktemp -d)
