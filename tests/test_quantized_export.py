@@ -207,6 +207,29 @@ def test_one_row_reductions_give_the_dequantized_products(dtype: torch.dtype, ze
                                atol=2 * tol * float(want4.abs().max()), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wider_forms_in_blocks_of_weight_rows_give_the_whole_weights_result(dtype: torch.dtype) -> None:
+    """On CPU a wider step without our GEMM dequantizes ``block_rows`` weight rows at a time (a cache-sized
+    transient, not the whole weight): the same values as the whole weight's, for a last block that is short."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 200, 64
+    x = torch.randn(5, k, generator=g).to(dtype)
+    q8, s8 = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g).to(dtype)
+    packed = ql.pack_int4(torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=g), 32)
+    s4, z4 = torch.rand(n, 2, generator=g).to(dtype), torch.randint(-3, 4, (n, 2), dtype=torch.int8, generator=g)
+    def same(got: torch.Tensor, want: torch.Tensor) -> None:
+        # the same dequantized values; fp32's GEMM may sum another width's columns in another order
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * float(want.abs().max()) if dtype == torch.float32 else 0)
+
+    for block in (64, 128):
+        same(ql.int8_many_rows(x, q8, s8, block=block), ql.int8_many_rows(x, q8, s8))
+        for zero in (None, z4):
+            same(ql.int4_many_rows(x, packed, s4, zero, block=block), ql.int4_many_rows(x, packed, s4, zero))
+    # a power of two of at least 64 rows, within the byte budget where the rows allow
+    assert ql.block_rows(576, torch.bfloat16) == 2048 and ql.block_rows(576, torch.float32) == 1024
+    assert ql.block_rows(1 << 20, torch.float32) == 64
+
+
 class _TwoLinears(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -8,14 +8,15 @@ carries outside the code:
 
 - ``int8``: one scale per output row (torchao ``Int8WeightOnlyConfig``), run
   as ``offgraph_kv::int8_linear`` (``Int8RowLinear``): on CPU a one-row step is
-  the backend's kernel over the int8 bytes; wider steps use ATen's int8 GEMM
-  in a bf16 model and torchao's dequantize-and-multiply in an fp32 one (ATen's
-  int8 GEMM is scalar for fp32 activations, 12x slower than fp32's matmul);
+  the backend's kernel over the int8 bytes; wider steps of a bf16 model are
+  the same kernels' GEMM on the AVX-512 bf16 dot product where the CPU has it,
+  otherwise torchao's dequantize-and-multiply (a block of weight rows at a
+  time);
 - ``int4``: values in [-8, 7] with one scale (and zero point, if torchao made
   one) per ``group_size`` inputs (torchao ``IntxWeightOnlyConfig(weight_dtype=
   torch.int4, PerGroup)``), stored two per byte and run as
   ``offgraph_kv::int4_linear`` (``Int4GroupLinear``): a one-row step unpacks
-  and dequantizes inside one kernel; wider steps dequantize, then ``mm``;
+  and dequantizes inside one kernel; wider steps as int8's;
 - ``8da4w``: int8 dynamic activations, quantized per token, with symmetric
   int4 weights in groups (torchao ``Int8DynamicActivationIntxWeightConfig(
   weight_dtype=torch.int4, PerGroup)``, ExecuTorch's usual scheme for LLMs on
