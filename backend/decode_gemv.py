@@ -97,7 +97,7 @@ def wide_kernel_takes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     is the program's). Which weight dtypes the kernel reads is the caller's to add. Measured on an AMD EPYC
     (Zen 4), 64 rows: 178-198 GFLOP/s against oneDNN's 187 for bf16 weights; SmolLM2 weight-only int8
     prefill 1.8x ATen's int8 GEMM's speed, with no dequantized weight, primitive cache or oneDNN code in
-    the process (``benchmarks/results/cpu_wide_rows_ab.md``)."""
+    the process (``benchmarks/results/cpu_wide_rows_ab_int8.md``)."""
     return (one_row_mode() in ("auto", "kernel") and x.dtype == torch.bfloat16 and cpu_has_bf16_dots()
             and all(w.is_contiguous() for w in weights))
 
