@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch.export import Dim
 
+from compiled_calls import run_with_threads
+
 from offgraph_kv.backend.aoti_compile import compile_shared_object
 from offgraph_kv.backend.cpu_kernels import rows_attend_causal_reference, rows_attend_with_lse_reference
 
@@ -82,16 +84,6 @@ def compiled_causal_calls(tmp_path_factory: pytest.TempPathFactory) -> "torch._C
     return _compiled(tmp_path_factory, CAUSAL_GROUPS)
 
 
-def _run_with_threads(runner: "torch._C._aoti.AOTIModelContainerRunnerCpu", args: List[torch.Tensor],
-                      threads: int) -> List[torch.Tensor]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # the kernel splits its work over what OpenMP allows
-    try:
-        return runner.run(args)
-    finally:
-        torch.set_num_threads(before)
-
-
 CAUSAL_GROUPS = 3
 
 
@@ -101,7 +93,7 @@ CAUSAL_GROUPS = 3
 def test_decode_kernel_in_a_compiled_program_matches_fp32_attention_over_the_stored_rows(
         compiled_calls, heads, groups, rows, threads):
     args = _inputs(heads, groups, rows, seed=rows * 7 + heads)
-    got = _run_with_threads(compiled_calls, args, threads)  # decode: 2 threads split rows from 1,024
+    got = run_with_threads(compiled_calls, args, threads)  # decode: 2 threads split rows from 1,024
     for i, (dtype, kd, vd, _) in enumerate(CASES):
         q, k_store, v_store = args[3 * i: 3 * i + 3]
         want_out, want_lse = rows_attend_with_lse_reference(
@@ -121,7 +113,7 @@ def test_causal_step_kernel_in_a_compiled_program_matches_fp32_attention_with_a_
     """Widths 1 (decode path) and 2-70 (wide path: register tiles, masked blocks skipped), the
     step's rows the last of the store's: query i of the step sees rows 0 .. S - T + i."""
     args = _inputs(heads, CAUSAL_GROUPS * width, rows, seed=rows * 11 + width)
-    got = _run_with_threads(compiled_causal_calls, args, threads)
+    got = run_with_threads(compiled_causal_calls, args, threads)
     for i, (dtype, kd, vd, _) in enumerate(CASES):
         q, k_store, v_store = args[3 * i: 3 * i + 3]
         want = rows_attend_causal_reference(q, k_store[..., :kd].transpose(1, 2),

@@ -19,6 +19,8 @@ import pytest
 import torch
 from torch.export import Dim
 
+from compiled_calls import run_with_threads
+
 from offgraph_kv.backend.aoti_compile import compile_shared_object
 from offgraph_kv.backend.cpu_kernels import (_int4_rows_reference, _int4z_rows_reference,
                                              _int8_rows_reference, _linear_rows_reference)
@@ -110,13 +112,8 @@ def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, ro
                                                                     monkeypatch):
     runner, group = compiled
     monkeypatch.setenv("OFFGRAPH_KV_CPU_BF16_ROWS", bf16_rows)  # read by the kernels at each call
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # outputs split over what OpenMP allows (2: from 1,024 outputs)
-    try:
-        args = _inputs(rows, kgroups * group, n, group, seed=n * 7 + kgroups)
-        got = runner.run(args)
-    finally:
-        torch.set_num_threads(before)
+    args = _inputs(rows, kgroups * group, n, group, seed=n * 7 + kgroups)
+    got = run_with_threads(runner, args, threads)  # outputs split over the threads (2: from 1,024 outputs)
     for i, want in enumerate(_expected(args)):
         assert got[i].dtype == want.dtype and got[i].shape == (rows, n), i
         atol, rtol = _tolerance(want.dtype)
@@ -129,19 +126,14 @@ def test_linear_kernels_in_a_compiled_program_match_their_fp32_sums(compiled, ro
 def test_wide_bf16_steps_give_torchaos_dequantize_then_mm(compiled, rows, kgroups, n, threads):
     """Steps of several bf16 rows: the GEMM on the bf16 dot product where the CPU has it (native/wide_rows.h;
     bf16 weights from 4 rows, int8 / int4 from 16), else the per-row paths; either way what ATen's bf16 mm
-    gives over the weights
-    dequantized in fp32 and rounded to bf16 (torchao's form), within the two results' roundings. Row and
-    output counts off the 16-row vector and the 8-output tile, both sides of a thread's share."""
+    gives over the weights dequantized in fp32 and rounded to bf16 (torchao's form), within the two
+    results' roundings. Row and output counts off the 16-row vector and the 8-output tile, both sides of a
+    thread's share."""
     from offgraph_kv.backend import quantized_linear as ql
 
     runner, group = compiled
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        args = _inputs(rows, kgroups * group, n, group, seed=rows * 31 + n)
-        got = runner.run(args)
-    finally:
-        torch.set_num_threads(before)
+    args = _inputs(rows, kgroups * group, n, group, seed=rows * 31 + n)
+    got = run_with_threads(runner, args, threads)
     xt, _, wbf, _, q8, s8, p4, s4, z4 = args
     x = xt.t().bfloat16()
     bf = torch.bfloat16

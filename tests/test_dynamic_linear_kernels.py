@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch.export import Dim
 
+from compiled_calls import run_with_threads
+
 from offgraph_kv.backend.aoti_compile import compile_shared_object
 from offgraph_kv.backend.quantized_linear import (int4_da8_integer_rows, int4_da8_torchao_form,
                                                   int8_da8_integer_rows, int8_da8_torchao_form, pack_int4_tiles,
@@ -74,13 +76,8 @@ def compiled(request, tmp_path_factory) -> "Tuple[torch._C._aoti.AOTIModelContai
                                             (70, 4, 33), (2, 9, 4097)])
 def test_dynamic_kernels_in_a_compiled_program_match_their_integer_arithmetic(compiled, rows, kgroups, n, threads):
     runner, group = compiled
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        args = _inputs(rows, kgroups * group, n, group, seed=n * 7 + kgroups)
-        got = runner.run(args)
-    finally:
-        torch.set_num_threads(before)
+    args = _inputs(rows, kgroups * group, n, group, seed=n * 7 + kgroups)
+    got = run_with_threads(runner, args, threads)
     xt, packed, scale, rowsum, packed8, scale8, wsum = args
     wants = [int4_da8_integer_rows(xt.t().to(xd), packed, scale.to(sd), rowsum) for xd, sd in CALLS]
     wants += [int8_da8_integer_rows(xt.t().to(xd), packed8, scale8.to(sd), wsum) for xd, sd in CALLS]

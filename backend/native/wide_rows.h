@@ -25,6 +25,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -116,12 +117,12 @@ void wide_rows(const RowPairs& a, int64_t rows, int64_t k, int64_t outputs, cons
 #endif
 #pragma omp parallel num_threads(parts) if (parts > 1)
   {
-    std::vector<uint16_t> scratch(kWideBlock * k);
+    const std::unique_ptr<uint16_t[]> scratch(new uint16_t[kWideBlock * k]);  // uninitialised: the formats fill it
     alignas(64) float tile[kWideOutputs * kWideVectors * kWideLanes];
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t n0 = b * kWideBlock, count = std::min(kWideBlock, outputs - n0);
-      const uint32_t* w = reinterpret_cast<const uint32_t*>(bf16_rows(n0, count, scratch.data()));
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(bf16_rows(n0, count, scratch.get()));
       for (int64_t t = 0; t < a.tiles; t += kWideVectors) {
         const int mv = int(std::min<int64_t>(kWideVectors, a.tiles - t));
         for (int64_t o = 0; o < count; o += kWideOutputs) {

@@ -5,38 +5,29 @@
 // (groups of 32, a bf16 scale per group), in turns. Built and run by benchmarks/cpu/native/run.sh.
 #include KERNEL_SOURCE
 
+#include "linear_weights.h"
+
 #include <chrono>
 #include <cstdio>
 #include <random>
 
 int main() {
-  const int64_t dim = 576, hidden = 1536, kv = 192, vocab = 49152, layers = 30, group = 32;
-  const int64_t shapes[][2] = {{dim, dim}, {kv, dim}, {kv, dim}, {dim, dim}, {hidden, dim}, {hidden, dim}, {dim, hidden}};
   std::mt19937 g(0);
-  auto uniform = [&] { return float(g() % 1000) / 500.f - 1.f; };
-  std::vector<std::pair<int64_t, int64_t>> nk;
-  for (int l = 0; l < layers; ++l)
-    for (const auto& s : shapes) nk.push_back({s[0], s[1]});
-  nk.push_back({vocab, dim});
-  std::vector<std::vector<Bf16>> dense, row_scale, group_scale;
-  std::vector<std::vector<int8_t>> int8;
-  std::vector<std::vector<uint8_t>> nibbles;
-  double elements = 0;
-  for (const auto& [n, k] : nk) {
-    dense.emplace_back(n * k);
-    for (auto& e : dense.back()) from_float(uniform(), &e);
-    int8.emplace_back(n * k);
-    for (auto& e : int8.back()) e = int8_t(g() % 255) - 127;
-    row_scale.emplace_back(n);
-    for (auto& e : row_scale.back()) from_float(uniform() / 100, &e);
-    nibbles.emplace_back(n * k / 2);
-    for (auto& e : nibbles.back()) e = uint8_t(g());
-    group_scale.emplace_back(n * k / group);
-    for (auto& e : group_scale.back()) from_float(uniform() / 10, &e);
-    elements += double(n) * k;
-  }
-  std::vector<Bf16> x(hidden), y(vocab);
-  for (auto& e : x) from_float(uniform(), &e);
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for (int l = 0; l < kLayers; ++l)
+    for (const auto& s : smollm2_layer()) shapes.push_back(s);
+  shapes.push_back({kVocab, kDim});
+  const LinearWeights w = random_weights(shapes, g);
+  const auto& nk = w.nk;
+  const auto& dense = w.dense;
+  const auto& int8 = w.int8;
+  const auto& row_scale = w.row_scale;
+  const auto& nibbles = w.nibbles;
+  const auto& group_scale = w.group_scale;
+  const double elements = w.elements;
+  const int64_t group = kGroup;
+  std::vector<Bf16> x(kHidden), y(kVocab);
+  for (auto& e : x) from_float(uniform(g), &e);
   auto time = [&](const char* name, double bytes_per_weight, auto step) {
     step();
     const int n = 20;

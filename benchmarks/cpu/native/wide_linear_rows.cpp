@@ -6,35 +6,20 @@
 // Zen 4 at its clock). Built and run by benchmarks/cpu/native/run.sh.
 #include KERNEL_SOURCE
 
+#include "linear_weights.h"
+
 #include <chrono>
 #include <cstdio>
 #include <random>
 
 int main() {
-  const int64_t dim = 576, hidden = 1536, kv = 192, group = 32;
-  const int64_t shapes[][2] = {{dim, dim}, {kv, dim}, {kv, dim}, {dim, dim}, {hidden, dim}, {hidden, dim}, {dim, hidden}};
   std::mt19937 g(0);
-  auto uniform = [&] { return float(g() % 1000) / 500.f - 1.f; };
-  std::vector<std::vector<Bf16>> dense, row_scale, group_scale;
-  std::vector<std::vector<int8_t>> int8;
-  std::vector<std::vector<uint8_t>> nibbles;
-  double macs_per_row = 0;
-  for (const auto& [n, k] : shapes) {
-    dense.emplace_back(n * k);
-    for (auto& e : dense.back()) from_float(uniform(), &e);
-    int8.emplace_back(n * k);
-    for (auto& e : int8.back()) e = int8_t(g() % 255) - 127;
-    row_scale.emplace_back(n);
-    for (auto& e : row_scale.back()) from_float(uniform() / 100, &e);
-    nibbles.emplace_back(n * k / 2);
-    for (auto& e : nibbles.back()) e = uint8_t(g());
-    group_scale.emplace_back(n * k / group);
-    for (auto& e : group_scale.back()) from_float(uniform() / 10, &e);
-    macs_per_row += double(n) * k;
-  }
+  const LinearWeights w = random_weights(smollm2_layer(), g);
+  const int64_t hidden = kHidden, group = kGroup;
+  const double macs_per_row = w.elements;
   const int64_t max_rows = 64;
   std::vector<Bf16> x(max_rows * hidden), y(max_rows * hidden);
-  for (auto& e : x) from_float(uniform(), &e);
+  for (auto& e : x) from_float(uniform(g), &e);
   for (int64_t rows : {2, 4, 8, 16, 32, 64}) {
     auto time = [&](const char* name, auto step) {
       step();
@@ -48,18 +33,18 @@ int main() {
     };
     time("bf16", [&] {
       for (size_t i = 0; i < 7; ++i)
-        linear_rows(x.data(), shapes[i][1], 1, rows, shapes[i][1], shapes[i][0], 0,
-                    Dense<Bf16>{dense[i].data(), shapes[i][1]}, y.data());
+        linear_rows(x.data(), w.nk[i].second, 1, rows, w.nk[i].second, w.nk[i].first, 0,
+                    Dense<Bf16>{w.dense[i].data(), w.nk[i].second}, y.data());
     });
     time("int8", [&] {
       for (size_t i = 0; i < 7; ++i)
-        linear_rows(x.data(), shapes[i][1], 1, rows, shapes[i][1], shapes[i][0], 0,
-                    Int8Rows<Bf16>{{int8[i].data(), shapes[i][1]}, row_scale[i].data()}, y.data());
+        linear_rows(x.data(), w.nk[i].second, 1, rows, w.nk[i].second, w.nk[i].first, 0,
+                    Int8Rows<Bf16>{{w.int8[i].data(), w.nk[i].second}, w.row_scale[i].data()}, y.data());
     });
     time("int4", [&] {
       for (size_t i = 0; i < 7; ++i)
-        linear_rows(x.data(), shapes[i][1], 1, rows, shapes[i][1], shapes[i][0], group,
-                    Int4Groups<Bf16>{nibbles[i].data(), group_scale[i].data(), nullptr, shapes[i][1] / group, group / 2},
+        linear_rows(x.data(), w.nk[i].second, 1, rows, w.nk[i].second, w.nk[i].first, group,
+                    Int4Groups<Bf16>{w.nibbles[i].data(), w.group_scale[i].data(), nullptr, w.nk[i].second / group, group / 2},
                     y.data());
     });
   }
