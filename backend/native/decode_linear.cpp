@@ -115,7 +115,8 @@ constexpr int chains_per_output() {
 
 #ifdef OFFGRAPH_KV_VECTOR
 // out[b] = the sum of sums[b]'s lanes; four at a time in one transposing sum. Inlined into each
-// format's dots (left a call, it took 5 % of an int4 decode step: the sums went through memory).
+// format's dots: left a call of its own, a profile of int4 decode put 5 % of the step in it (its
+// arithmetic included; the kernel alone from memory measured the same either way).
 template <int B>
 __attribute__((always_inline)) inline void horizontal_sums(const Vec* sums, float* out) {
   if constexpr (B == 4) {
