@@ -402,14 +402,9 @@ def _wide(many_rows: Callable[..., torch.Tensor], kernel: Callable[..., torch.Te
     return call
 
 
-def _int4_symmetric_many_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                              block: Optional[int] = None) -> torch.Tensor:
-    return int4_many_rows(x, packed, scale, None, block)
-
-
 def _without_zero(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     # torch.cond's operands must be tensors: a symmetric int4 linear's branches take no zero point.
-    return lambda x, packed, scale: fn(x, packed, scale, None)
+    return lambda x, packed, scale, **options: fn(x, packed, scale, None, **options)
 
 
 def _da8_on(cpu: bool, kernel: Callable[..., torch.Tensor],
@@ -444,7 +439,7 @@ def lower_quantized_linears(program: fx.GraphModule, reduce: bool, cpu: bool = F
             x, packed, scale, zero = node.args
             if zero is None:
                 one = _kernel_or(_without_zero(int4_one_row), ops.int4_linear_rows)
-                many = _wide(_int4_symmetric_many_rows, ops.int4_linear_rows, cpu)
+                many = _wide(_without_zero(int4_many_rows), ops.int4_linear_rows, cpu)
                 args = (x, packed, scale)
             else:
                 one = _kernel_or(int4_one_row, ops.int4z_linear_rows)
