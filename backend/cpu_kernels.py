@@ -27,7 +27,7 @@ import torch
 SOURCES = tuple(Path(__file__).parent / "native" / n
                 for n in ("rows_attention.cpp", "decode_linear.cpp", "dynamic_linear.cpp"))
 HEADERS = tuple(Path(__file__).parent / "native" / n
-                for n in ("float16.h", "linear_call.h", "shim_view.h", "vec.h", "wide_rows.h"))  # included besides torch's
+                for n in ("float16.h", "linear_call.h", "shared_rows.h", "shim_view.h", "vec.h", "wide_rows.h"))  # included besides torch's
 
 _LIB = torch.library.Library("offgraph_kv", "FRAGMENT")
 _LIB.define("rows_attend_with_lse(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")

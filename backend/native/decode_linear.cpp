@@ -21,6 +21,7 @@
 
 #include "float16.h"
 #include "linear_call.h"
+#include "shared_rows.h"
 #include "shim_view.h"
 #include "vec.h"
 #include "wide_rows.h"
@@ -73,6 +74,15 @@ inline bool rows_side_by_side() {
 #endif
 }
 constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more than it reads
+// Outputs of a chunk that decode's helpers share (shared_rows.h): a multiple of kBlockRows, so every
+// block of outputs is the one a single thread computes (the same bits); 64 bf16 rows of SmolLM2's
+// 576 inputs are 72 KiB, a few microseconds from memory.
+constexpr int64_t kSharedChunk = 64;
+constexpr int64_t kSharedFrom = 4 * kSharedChunk;  // fewer outputs: one thread, as before
+
+// Helper threads a decode step's linears may share their rows with, set by the runtime per step on
+// the thread that runs it (offgraph_kv_set_step_helpers); 0: OpenMP decides, as before.
+thread_local int t_step_helpers = 0;
 
 // ----------------------------------------------------------------------------
 // The weight formats: each computes a block of B outputs' dots with one row
@@ -619,6 +629,54 @@ Rows prepare(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, 
   return a;
 }
 
+// Outputs [n0, n1) of every row into dst (row r at dst + r * stride): the one loop over blocks of
+// weight rows that every thread count runs.
+template <typename X, typename Format>
+void rows_block(const Rows& a, const Format& format, int64_t rows, int64_t n0, int64_t n1, X* dst, int64_t stride) {
+  float d[kBlockRows];
+  int64_t n = n0;
+  for (; n + kBlockRows <= n1; n += kBlockRows)
+    for (int64_t r = 0; r < rows; ++r) {
+      format.template dots<kBlockRows>(n, a.row(r), d);
+      for (int64_t b = 0; b < kBlockRows; ++b) from_float(d[b], dst + r * stride + (n - n0) + b);
+    }
+  for (; n < n1; ++n)
+    for (int64_t r = 0; r < rows; ++r) {
+      format.template dots<1>(n, a.row(r), d);
+      from_float(d[0], dst + r * stride + (n - n0));
+    }
+}
+
+// A decode linear's chunks of kSharedChunk outputs, for the step's helpers (shared_rows.h). Holds
+// its own prepared activations: a helper may still read them after the call has returned.
+template <typename X, typename Format>
+class SharedLinear final : public offgraph_kv_native::SharedCall {
+ public:
+  SharedLinear(Rows a, const Format& format, int64_t rows, int64_t outputs, X* y)
+      : SharedCall((outputs + kSharedChunk - 1) / kSharedChunk), a_(std::move(a)), format_(format), rows_(rows),
+        outputs_(outputs), y_(y) {}
+  void compute_into_outputs(int64_t c) override {
+    rows_block(a_, format_, rows_, begin(c), end(c), y_ + begin(c), outputs_);
+  }
+  size_t scratch_bytes() const override { return size_t(rows_ * kSharedChunk) * sizeof(X); }
+  void compute_into_scratch(int64_t c, void* scratch) override {
+    rows_block(a_, format_, rows_, begin(c), end(c), static_cast<X*>(scratch), kSharedChunk);
+  }
+  void publish(int64_t c, const void* scratch) override {
+    const X* s = static_cast<const X*>(scratch);
+    for (int64_t r = 0; r < rows_; ++r)
+      std::memcpy(y_ + r * outputs_ + begin(c), s + r * kSharedChunk, size_t(end(c) - begin(c)) * sizeof(X));
+  }
+
+ private:
+  int64_t begin(int64_t c) const { return c * kSharedChunk; }
+  int64_t end(int64_t c) const { return std::min(outputs_, begin(c) + kSharedChunk); }
+  const Rows a_;
+  const Format format_;
+  const int64_t rows_, outputs_;
+  X* const y_;
+};
+
 // out[r, n] for r < rows, n < outputs. The outputs are split over the threads OpenMP allows (the
 // runtime sets one per decode step unless asked otherwise), in blocks of kBlockRows weight rows;
 // every row of activations meets a block while its weights are in L1, so a wide step reads the
@@ -639,6 +697,13 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
     }
   }
 #endif
+  if (t_step_helpers > 0 && outputs >= kSharedFrom) {
+    offgraph_kv_native::HelperPool::get().run(
+        std::make_shared<SharedLinear<X, Format>>(prepare(x, x_row, x_col, rows, k, group, format), format, rows,
+                                                  outputs, y),
+        t_step_helpers);
+    return;
+  }
   const Rows a = prepare(x, x_row, x_col, rows, k, group, format);
   int64_t parts = 1;
 #ifdef _OPENMP
@@ -648,18 +713,7 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
 #pragma omp parallel for num_threads(parts) if (parts > 1) schedule(static, 1)
   for (int64_t p = 0; p < parts; ++p) {
     const int64_t begin = std::min(outputs, p * per), end = std::min(outputs, begin + per);
-    float d[kBlockRows];
-    int64_t n = begin;
-    for (; n + kBlockRows <= end; n += kBlockRows)
-      for (int64_t r = 0; r < rows; ++r) {
-        format.template dots<kBlockRows>(n, a.row(r), d);
-        for (int64_t b = 0; b < kBlockRows; ++b) from_float(d[b], y + r * outputs + n + b);
-      }
-    for (; n < end; ++n)
-      for (int64_t r = 0; r < rows; ++r) {
-        format.template dots<1>(n, a.row(r), d);
-        from_float(d[0], y + r * outputs + n);
-      }
+    rows_block(a, format, rows, begin, end, y + begin, outputs);
   }
 }
 
@@ -766,4 +820,29 @@ extern "C" AOTITorchError aoti_torch_cpu_int4z_linear_rows(AtenTensorHandle x, A
                                                            AtenTensorHandle scale, AtenTensorHandle zero,
                                                            AtenTensorHandle* ret0) {
   return guarded([&] { return int4_linear(x, packed, scale, zero, ret0); });
+}
+
+// The runtime's face (dlsym'd in the program's library: runtime/src/step_threads.cpp).
+// Helper threads this thread's decode linears share their rows with; returns the previous count.
+extern "C" __attribute__((visibility("default"))) int offgraph_kv_set_step_helpers(int helpers) {
+  const int previous = t_step_helpers;
+  t_step_helpers = std::max(0, helpers);
+  return previous;
+}
+
+// Returns once no helper still reads a call's weights (before they are freed).
+extern "C" __attribute__((visibility("default"))) void offgraph_kv_quiesce_step_helpers() {
+  offgraph_kv_native::HelperPool::get().quiesce();
+}
+
+// Chunks the helpers computed and chunks taken back from them, since the process began.
+extern "C" __attribute__((visibility("default"))) void offgraph_kv_step_helper_counts(int64_t* helped,
+                                                                                      int64_t* taken_back) {
+  *helped = offgraph_kv_native::HelperPool::get().helped();
+  *taken_back = offgraph_kv_native::HelperPool::get().taken_back();
+}
+
+// Tests only: helpers sleep this long after claiming a chunk, as a preempted helper would stall.
+extern "C" __attribute__((visibility("default"))) void offgraph_kv_delay_step_helpers_for_tests(int microseconds) {
+  offgraph_kv_native::HelperPool::get().delay_helpers_for_tests(microseconds);
 }

@@ -70,6 +70,21 @@ StepThreads::StepThreads(void* library) {
   // The C entry point (mkl_service.h maps mkl_set_num_threads_local to it); the
   // lowercase symbols libtorch exports are MKL's Fortran ones, which take a pointer.
   mkl_set_local_ = reinterpret_cast<int (*)(int)>(dlsym(library, "MKL_Set_Num_Threads_Local"));
+  // Present where the program calls the decode-linear kernels (backend/native/decode_linear.cpp).
+  set_helpers_ = reinterpret_cast<int (*)(int)>(dlsym(library, "offgraph_kv_set_step_helpers"));
+  quiesce_ = reinterpret_cast<void (*)()>(dlsym(library, "offgraph_kv_quiesce_step_helpers"));
+}
+
+StepThreads::~StepThreads() {
+  if (quiesce_ != nullptr) quiesce_();
+}
+
+size_t StepThreads::helpers(size_t width, size_t num_threads) const {
+  if (width != 1 || set_helpers_ == nullptr) return 0;
+  if (num_threads != 0) return num_threads - 1;
+  const size_t cores = usable_cores();
+  const size_t wanted = get_ != nullptr ? size_t(std::max(1, get_())) : cores;
+  return std::min(wanted, cores) - 1;
 }
 
 size_t StepThreads::automatic(size_t width) const {
@@ -83,7 +98,8 @@ size_t StepThreads::automatic(size_t width) const {
   return size_t(std::max(1L, std::min(long(wanted), free)));
 }
 
-StepThreads::Scope::Scope(const StepThreads& t, size_t n) : t_(t) {
+StepThreads::Scope::Scope(const StepThreads& t, size_t n, size_t helpers) : t_(t) {
+  if (t_.set_helpers_ != nullptr) previous_helpers_ = t_.set_helpers_(int(helpers));
   if (n == 0 || !t_.available()) return;
   active_ = true;
   previous_omp_ = t_.get_();
@@ -96,6 +112,7 @@ StepThreads::Scope::Scope(const StepThreads& t, size_t n) : t_(t) {
 }
 
 StepThreads::Scope::~Scope() {
+  if (previous_helpers_ >= 0) t_.set_helpers_(previous_helpers_);
   if (!active_) return;
   if (t_.mkl_set_local_ != nullptr) t_.mkl_set_local_(previous_mkl_);  // 0 restores "follow the global setting"
   if (t_.get_() != previous_omp_) t_.set_(previous_omp_);

@@ -24,6 +24,14 @@
 // wider steps take the cores no other process is running on right now
 // (2 threads prefill 1.6x faster idle, 1.6x slower busy, 20x slower when
 // someone else's job held one core).
+//
+// Decode steps' linears (the weights' stream, most of a step) also take
+// helper threads of the compiled code's own (backend/native/shared_rows.h):
+// the calling thread never waits for a helper that is not running (it takes
+// its chunk back), so helpers cannot make a step slower than one thread and,
+// running, read the weights with a second core. By default a decode step
+// takes as many helpers as the caller's OpenMP setting allows on the usable
+// cores, less one (itself); `num_threads` n gives n - 1.
 #pragma once
 
 #include <cstddef>
@@ -44,7 +52,8 @@ class StepThreads {
   // `n` threads until destroyed (0: leave as is).
   class Scope {
    public:
-    Scope(const StepThreads& t, size_t n);
+    // `helpers`: the decode linears' helper threads for the step (when the code has them).
+    Scope(const StepThreads& t, size_t n, size_t helpers = 0);
     ~Scope();
     Scope(const Scope&) = delete;
     Scope& operator=(const Scope&) = delete;
@@ -54,18 +63,28 @@ class StepThreads {
     bool active_ = false;
     int previous_omp_ = 0;
     int previous_mkl_ = 0;  // 0: MKL followed the global setting
+    int previous_helpers_ = -1;  // -1: not set
   };
+  // Waits until no helper thread still reads a call's weights (before they are freed).
+  ~StepThreads();
   bool available() const { return set_ != nullptr && get_ != nullptr; }
   // The default thread count for a step of `width` tokens: 1 for a decode
   // step; else the caller's OpenMP setting, less the cores other processes
   // are running on at this moment (at least 1).
   size_t automatic(size_t width) const;
+  // Helper threads for the decode linears of a step of `width` tokens: none
+  // for wider steps; `num_threads` - 1 when that option is set (non-zero);
+  // else the caller's OpenMP setting, at most the usable cores, less one.
+  size_t helpers(size_t width, size_t num_threads) const;
+  bool has_helpers() const { return set_helpers_ != nullptr; }
   bool controls_mkl() const { return mkl_set_local_ != nullptr; }
 
  private:
   void (*set_)(int) = nullptr;
   int (*get_)() = nullptr;
   int (*mkl_set_local_)(int) = nullptr;  // returns the previous thread-local count
+  int (*set_helpers_)(int) = nullptr;    // the compiled code's offgraph_kv_set_step_helpers; previous count
+  void (*quiesce_)() = nullptr;          // offgraph_kv_quiesce_step_helpers
 };
 
 }  // namespace offgraph_kv

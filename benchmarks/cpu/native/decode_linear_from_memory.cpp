@@ -2,7 +2,8 @@
 // 49,152-row vocabulary projection: more than the caches hold, as in a real step) through
 // backend/native/decode_linear.cpp (KERNEL_SOURCE: the file to include), bf16 activations, one
 // thread, in each weight format a program stores: bf16, int8 (a bf16 scale per row) and int4
-// (groups of 32, a bf16 scale per group), in turns. Built and run by benchmarks/cpu/native/run.sh.
+// (groups of 32, a bf16 scale per group), in turns. HELPERS=n shares the rows with n helper threads
+// (shared_rows.h), as a decode step does. Built and run by benchmarks/cpu/native/run.sh.
 #include KERNEL_SOURCE
 
 #include "linear_weights.h"
@@ -12,6 +13,7 @@
 #include <random>
 
 int main() {
+  if (const char* h = std::getenv("HELPERS")) t_step_helpers = std::atoi(h);
   std::mt19937 g(0);
   std::vector<std::pair<int64_t, int64_t>> shapes;
   for (int l = 0; l < kLayers; ++l)
