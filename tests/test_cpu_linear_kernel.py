@@ -13,7 +13,6 @@ wide range of magnitudes and rows that are not finite.
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 from torch.export import Dim
 
-from compiled_calls import run_with_threads
+from compiled_calls import check_shared_with_helpers, run_with_threads
 
 from offgraph_kv.backend.aoti_compile import compile_shared_object
 from offgraph_kv.backend.cpu_kernels import (_int4_rows_reference, _int4z_rows_reference,
@@ -202,60 +201,16 @@ def _dequantized_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q * scale.repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
 
 
-class _Helpers:
-    """The compiled calls' decode-helper face (decode_linear.cpp), through the runner's own library:
-    dlopen of the same path gives the same instance, whose helper count is this thread's."""
-
-    def __init__(self, path: Path) -> None:
-        self.lib = ctypes.CDLL(str(path))
-        self.lib.offgraph_kv_set_step_helpers.argtypes = [ctypes.c_int]
-        self.lib.offgraph_kv_delay_step_helpers_for_tests.argtypes = [ctypes.c_int]
-
-    def set(self, n: int) -> int:
-        return self.lib.offgraph_kv_set_step_helpers(n)
-
-    def delay(self, microseconds: int) -> None:
-        self.lib.offgraph_kv_delay_step_helpers_for_tests(microseconds)
-
-    def counts(self) -> Tuple[int, int]:
-        helped, taken = ctypes.c_int64(), ctypes.c_int64()
-        self.lib.offgraph_kv_step_helper_counts(ctypes.byref(helped), ctypes.byref(taken))
-        return helped.value, taken.value
-
-    def quiesce(self) -> None:
-        self.lib.offgraph_kv_quiesce_step_helpers()
-
 
 # Cases with enough outputs to be shared (from 256): one to three rows, output counts off the 64-output
 # chunk and the 4-output block.
-_SHARED_CASES = [(1, 18, 576), (1, 2, 1031), (2, 9, 4097), (3, 5, 300)]
+_SHARED_CASES = [(1, 18, 576), (1, 2, 1031), (2, 9, 4097), (3, 5, 300), (1, 18, 65536)]
 
 
 @pytest.mark.parametrize("stalled", [False, True], ids=["running", "stalled"])
 def test_decode_linears_shared_with_helpers_give_the_one_thread_bits(compiled, stalled):
     """A decode step's linears with a helper thread (shared_rows.h) give exactly what one thread gives,
-    whether the helper publishes its chunks or stalls holding them (then the caller takes them back and
-    never waits for it); with the helper stalled every call still returns, and quiesce() waits for it."""
+    whether the helper publishes its chunks or stalls holding them (then the caller takes them back)."""
     runner, group = compiled
-    helpers = _Helpers(_LIBRARIES[group])
     cases = [_inputs(rows, kg * group, n, group, seed=n + rows) for rows, kg, n in _SHARED_CASES]
-    assert helpers.set(0) == 0
-    want = [runner.run(args) for args in cases]
-    helped0, taken0 = helpers.counts()
-    helpers.delay(3000 if stalled else 0)
-    before = helpers.set(1)
-    try:
-        for _ in range(8):
-            for args, expected in zip(cases, want):
-                got = runner.run(args)
-                for i, (g, w) in enumerate(zip(got, expected)):
-                    assert torch.equal(g, w), f"call {i} of a {tuple(w.shape)} case differs from one thread"
-    finally:
-        helpers.set(before)
-        helpers.delay(0)
-        helpers.quiesce()
-    helped, taken = helpers.counts()
-    if stalled:
-        assert taken > taken0, "a stalled helper's chunks were never taken back"
-    else:
-        assert helped > helped0, "the helper published no chunk"
+    check_shared_with_helpers(runner, _LIBRARIES[group], cases, stalled)

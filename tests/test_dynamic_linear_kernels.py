@@ -10,13 +10,14 @@ activations, fp32 / bf16 / fp16 activations and scales, one and two threads.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from pathlib import Path
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
 from torch.export import Dim
 
-from compiled_calls import run_with_threads
+from compiled_calls import check_shared_with_helpers, run_with_threads
 
 from offgraph_kv.backend.aoti_compile import compile_shared_object
 from offgraph_kv.backend.quantized_linear import (int4_da8_integer_rows, int4_da8_torchao_form,
@@ -56,6 +57,9 @@ def _inputs(rows: int, k: int, n: int, group: int, seed: int) -> List[torch.Tens
     return [x, *pack_int4_tiles(*_weights(n, k, group, seed), group), *pack_int8_tiles(*_weights8(n, k, seed))]
 
 
+_LIBRARIES: Dict[int, Path] = {}  # group -> the compiled calls' shared object (the runner's own library)
+
+
 @pytest.fixture(scope="module", params=[32, 8], ids=["group32", "group8"])
 def compiled(request, tmp_path_factory) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]":
     group = request.param
@@ -68,6 +72,7 @@ def compiled(request, tmp_path_factory) -> "Tuple[torch._C._aoti.AOTIModelContai
     code = compile_shared_object(program, args, "cpu")
     path = tmp_path_factory.mktemp("dynamic_linear") / "calls.so"
     path.write_bytes(code.so_bytes)
+    _LIBRARIES[group] = path
     return torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1), group
 
 
@@ -87,6 +92,16 @@ def test_dynamic_kernels_in_a_compiled_program_match_their_integer_arithmetic(co
         # The same integers; fp32 sums in another order, then one rounding to x's dtype.
         atol, rtol = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (4e-3, 2e-3)}[xd]
         torch.testing.assert_close(got[i].float(), want.float(), atol=atol, rtol=rtol, msg=lambda m: f"call {i}: {m}")
+
+
+@pytest.mark.parametrize("stalled", [False, True], ids=["running", "stalled"])
+def test_dynamic_kernels_shared_with_helpers_give_the_one_thread_bits(compiled, stalled):
+    """Decode steps with a helper thread (shared_rows.h): one thread's bits, the helper running or stalled.
+    Output counts from 16 tiles (256), off the 64-output chunk and the 16-output tile; one to five rows."""
+    runner, group = compiled
+    cases = [_inputs(rows, kg * group, n, group, seed=n + rows) for rows, kg, n in
+             [(1, 18, 576), (1, 2, 1031), (2, 9, 4097), (5, 3, 300), (1, 18, 65536)]]
+    check_shared_with_helpers(runner, _LIBRARIES[group], cases, stalled)
 
 
 @pytest.mark.parametrize("which", ["int4", "int8"])

@@ -80,9 +80,7 @@ constexpr int64_t kOutputsPerThread = 512;  // a thread below this costs more th
 constexpr int64_t kSharedChunk = 64;
 constexpr int64_t kSharedFrom = 4 * kSharedChunk;  // fewer outputs: one thread, as before
 
-// Helper threads a decode step's linears may share their rows with, set by the runtime per step on
-// the thread that runs it (offgraph_kv_set_step_helpers); 0: OpenMP decides, as before.
-thread_local int t_step_helpers = 0;
+using offgraph_kv_native::step_helpers;
 
 // ----------------------------------------------------------------------------
 // The weight formats: each computes a block of B outputs' dots with one row
@@ -697,11 +695,11 @@ void linear_rows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t
     }
   }
 #endif
-  if (t_step_helpers > 0 && outputs >= kSharedFrom) {
+  if (step_helpers > 0 && outputs >= kSharedFrom) {
     offgraph_kv_native::HelperPool::get().run(
         std::make_shared<SharedLinear<X, Format>>(prepare(x, x_row, x_col, rows, k, group, format), format, rows,
                                                   outputs, y),
-        t_step_helpers);
+        step_helpers);
     return;
   }
   const Rows a = prepare(x, x_row, x_col, rows, k, group, format);
@@ -825,8 +823,8 @@ extern "C" AOTITorchError aoti_torch_cpu_int4z_linear_rows(AtenTensorHandle x, A
 // The runtime's face (dlsym'd in the program's library: runtime/src/step_threads.cpp).
 // Helper threads this thread's decode linears share their rows with; returns the previous count.
 extern "C" __attribute__((visibility("default"))) int offgraph_kv_set_step_helpers(int helpers) {
-  const int previous = t_step_helpers;
-  t_step_helpers = std::max(0, helpers);
+  const int previous = step_helpers;
+  step_helpers = std::max(0, helpers);
   return previous;
 }
 

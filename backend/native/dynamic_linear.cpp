@@ -35,6 +35,7 @@
 #include "float16.h"
 #include "linear_call.h"
 #include "shim_view.h"
+#include "shared_rows.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -402,47 +403,114 @@ struct Int8Tiles {
   float finish(const QuantRow& q, float d, int64_t) const { return q.scale * d; }
 };
 
+// Block b's outputs for tokens t0..t0+T-1 into dst, whose row t starts at output n_base (row stride `stride`).
 template <int T, typename X, typename Format>
-void block_rows(const Format& w, int64_t b, const Tokens& x, int64_t t0, int64_t outputs, X* y) {
+void block_rows(const Format& w, int64_t b, const Tokens& x, int64_t t0, int64_t outputs, X* dst, int64_t stride,
+                int64_t n_base) {
   float d[T][kTileRows];
   w.template block<T>(b, x, t0, d);
   const int64_t n0 = b * kTileRows, count = std::min(kTileRows, outputs - n0);
   for (int t = 0; t < T; ++t) {
     const QuantRow& q = x.rows[t0 + t];
-    X* yt = y + (t0 + t) * outputs + n0;
+    X* yt = dst + (t0 + t) * stride + (n0 - n_base);
     for (int64_t r = 0; r < count; ++r) from_float(w.finish(q, d[t][r], n0 + r), yt + r);
   }
 }
 
-// The step's rows quantized, then the outputs' tiles split over the threads OpenMP allows.
+// Every token of blocks [b0, b1) (blocks outermost: a block's weights stay in cache while every token
+// batch passes over them), into dst as block_rows takes it.
+template <typename X, typename Format>
+void blocks_rows(const Format& w, int64_t b0, int64_t b1, const Tokens& x, int64_t rows, int64_t outputs, X* dst,
+                 int64_t stride, int64_t n_base) {
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t t = 0;
+    for (; t + kTokenBatch <= rows; t += kTokenBatch)
+      block_rows<kTokenBatch>(w, b, x, t, outputs, dst, stride, n_base);
+    switch (rows - t) {
+      case 3: block_rows<3>(w, b, x, t, outputs, dst, stride, n_base); break;
+      case 2: block_rows<2>(w, b, x, t, outputs, dst, stride, n_base); break;
+      case 1: block_rows<1>(w, b, x, t, outputs, dst, stride, n_base); break;
+      default: break;
+    }
+  }
+}
+
+// The step's rows quantized as torchao quantizes them, owned for as long as any thread reads them.
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<uint8_t> xu;
+  std::vector<int32_t> sums;
+  std::vector<QuantRow> q;
+  Tokens tokens;
+  template <typename X>
+  QuantizedRows(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, int64_t group, bool unsigned_x)
+      : xq(rows * k), xu(unsigned_x ? rows * k : 0), sums(rows * (k / group)), q(rows) {
+    const int64_t groups = k / group;
+    for (int64_t r = 0; r < rows; ++r)
+      q[r] = quantize_row(x + r * x_row, x_col, k, group, xq.data() + r * k, sums.data() + r * groups);
+    for (size_t i = 0; i < xu.size(); ++i) xu[i] = uint8_t(int32_t(xq[i]) + 128);
+    tokens = Tokens{xq.data(), unsigned_x ? xu.data() : nullptr, sums.data(), q.data(), k, groups};
+  }
+  QuantizedRows(const QuantizedRows&) = delete;  // tokens points into the vectors
+  QuantizedRows& operator=(const QuantizedRows&) = delete;
+};
+
+constexpr int64_t kSharedTiles = 4;                // a helpers' chunk: 64 outputs (shared_rows.h)
+constexpr int64_t kSharedFromTiles = 4 * kSharedTiles;
+
+// A decode linear's chunks of kSharedTiles blocks for the step's helpers.
+template <typename X, typename Format>
+class SharedDynamic final : public offgraph_kv_native::SharedCall {
+ public:
+  SharedDynamic(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t outputs, int64_t group,
+                bool unsigned_x, const Format& w, X* y)
+      : SharedCall(((outputs + kTileRows - 1) / kTileRows + kSharedTiles - 1) / kSharedTiles),
+        x_(x, x_row, x_col, rows, w.k, group, unsigned_x), w_(w), rows_(rows), outputs_(outputs), y_(y) {}
+  void compute_into_outputs(int64_t c) override {
+    blocks_rows(w_, first(c), last(c), x_.tokens, rows_, outputs_, y_, outputs_, 0);
+  }
+  size_t scratch_bytes() const override { return size_t(rows_ * kSharedTiles * kTileRows) * sizeof(X); }
+  void compute_into_scratch(int64_t c, void* scratch) override {
+    blocks_rows(w_, first(c), last(c), x_.tokens, rows_, outputs_, static_cast<X*>(scratch),
+                kSharedTiles * kTileRows, first(c) * kTileRows);
+  }
+  void publish(int64_t c, const void* scratch) override {
+    const X* s = static_cast<const X*>(scratch);
+    const int64_t n0 = first(c) * kTileRows, n = std::min(outputs_, last(c) * kTileRows) - n0;
+    for (int64_t r = 0; r < rows_; ++r)
+      std::memcpy(y_ + r * outputs_ + n0, s + r * kSharedTiles * kTileRows, size_t(n) * sizeof(X));
+  }
+
+ private:
+  int64_t first(int64_t c) const { return c * kSharedTiles; }
+  int64_t last(int64_t c) const { return std::min((outputs_ + kTileRows - 1) / kTileRows, first(c) + kSharedTiles); }
+  const QuantizedRows x_;
+  const Format w_;
+  const int64_t rows_, outputs_;
+  X* const y_;
+};
+
+// The step's rows quantized, then the outputs' tiles split over the threads OpenMP allows, or, for a
+// decode step with helpers, shared with them (shared_rows.h).
 template <typename X, typename Format>
 void linear(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t outputs, int64_t group, bool unsigned_x,
             const Format& w, X* y) {
-  const int64_t k = w.k, groups = k / group;
-  std::vector<int8_t> xq(rows * k);
-  std::vector<uint8_t> xu(unsigned_x ? rows * k : 0);
-  std::vector<int32_t> sums(rows * groups);
-  std::vector<QuantRow> q(rows);
-  for (int64_t r = 0; r < rows; ++r)
-    q[r] = quantize_row(x + r * x_row, x_col, k, group, xq.data() + r * k, sums.data() + r * groups);
-  for (size_t i = 0; i < xu.size(); ++i) xu[i] = uint8_t(int32_t(xq[i]) + 128);
-  const Tokens tokens{xq.data(), unsigned_x ? xu.data() : nullptr, sums.data(), q.data(), k, groups};
   const int64_t blocks = (outputs + kTileRows - 1) / kTileRows;
+  if (step_helpers > 0 && blocks >= kSharedFromTiles) {
+    HelperPool::get().run(
+        std::make_shared<SharedDynamic<X, Format>>(x, x_row, x_col, rows, outputs, group, unsigned_x, w, y),
+        step_helpers);
+    return;
+  }
+  const QuantizedRows xr(x, x_row, x_col, rows, w.k, group, unsigned_x);
   int64_t parts = 1;
 #ifdef _OPENMP
   parts = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), blocks / kTilesPerThread));
 #endif
-  // Blocks outermost: a block's weights stay in cache while every token batch passes over them.
 #pragma omp parallel for num_threads(parts) if (parts > 1) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    int64_t t = 0;
-    for (; t + kTokenBatch <= rows; t += kTokenBatch) block_rows<kTokenBatch>(w, b, tokens, t, outputs, y);
-    switch (rows - t) {
-      case 3: block_rows<3>(w, b, tokens, t, outputs, y); break;
-      case 2: block_rows<2>(w, b, tokens, t, outputs, y); break;
-      case 1: block_rows<1>(w, b, tokens, t, outputs, y); break;
-      default: break;
-    }
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t per = (blocks + parts - 1) / parts, b0 = std::min(blocks, p * per);
+    blocks_rows(w, b0, std::min(blocks, b0 + per), xr.tokens, rows, outputs, y, outputs, 0);
   }
 }
 

@@ -35,6 +35,11 @@
 
 namespace offgraph_kv_native {
 
+// Helper threads this thread's decode linears may share their outputs with, set by the runtime per
+// step on the thread that runs it (offgraph_kv_set_step_helpers, decode_linear.cpp); 0: the kernels'
+// OpenMP loops, as for wider steps. One variable for every kernel of the program's library.
+inline thread_local int step_helpers = 0;
+
 // One call's work: `count()` chunks that any thread may compute.
 class SharedCall {
  public:

@@ -13,7 +13,7 @@
 #include <random>
 
 int main() {
-  if (const char* h = std::getenv("HELPERS")) t_step_helpers = std::atoi(h);
+  if (const char* h = std::getenv("HELPERS")) offgraph_kv_native::step_helpers = std::atoi(h);  // shared_rows.h
   std::mt19937 g(0);
   std::vector<std::pair<int64_t, int64_t>> shapes;
   for (int l = 0; l < kLayers; ++l)
