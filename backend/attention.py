@@ -63,7 +63,11 @@ def _fold_groups(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     b, hq, t, d = q.shape
     # Dense first: reshaping a strided view makes export reason about (and
     # guard on) strides; the copy is T x H_q x D, nothing next to the history.
-    return q.contiguous().view(b, num_kv_heads, (hq // num_kv_heads) * t, d)
+    # An explicit clone, not .contiguous(): a query built by ``torch.cat`` keeps
+    # its inputs' head-strided layout, and export drops a contiguous() it thinks
+    # is a no-op, which leaves the view below unable to take the tensor.
+    dense = q.clone(memory_format=torch.contiguous_format)
+    return dense.view(b, num_kv_heads, (hq // num_kv_heads) * t, d)
 
 
 def _unfold_groups(out: torch.Tensor, num_heads: int, t: int) -> torch.Tensor:

@@ -53,6 +53,12 @@ ZOO: List[Entry] = [
     Entry("decode_only_static_width", PosFirst, ZooConfig(), ("pos", "tokens"), static_width=True,
           layers=(RING,), storage=torch.bfloat16,
           what="exported for one-token steps only (no dynamic dim); prefill token by token; ring layers, bf16 KV"),
+    Entry("neox_rope_by_cat_gqa_and_mqa", RowPositions,
+          ZooConfig(layers=(LayerShape(4, 1, 12, rotary_dim=12), LayerShape(4, 2, 12, rotary_dim=6),
+                            LayerShape(6, 2, 8, rotary_dim=8))),
+          ("tokens", "pos"), positions="row", layers=(FLAT, RING, FLAT),
+          what="GPT-NeoX / Phi RoPE: rotated dims and the pass-through tail joined by torch.cat "
+               "(an empty tail on full rotary, which leaves the query head-strided); MQA and GQA; flat and ring"),
     Entry("row_positions_passed_to_the_op", RowPositionsToOp, ZooConfig(), ("tokens", "pos"), positions="row",
           export_error="position must be [T, n_dims]",
           what="[1, T] positions handed to the op, whose contract is [T, n_dims]"),

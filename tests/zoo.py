@@ -27,6 +27,10 @@ class LayerShape:
     n_kv_heads: int
     head_dim: int
     v_head_dim: int = 0  # 0: head_dim
+    # 0: RoPE over the whole head as ``x * cos + rotate_half(x) * sin``; else the
+    # GPT-NeoX / Phi form: the first ``rotary_dim`` dims rotated, the rest passed
+    # through by ``torch.cat`` (an empty tail when it equals head_dim).
+    rotary_dim: int = 0
 
     @property
     def v_dim(self) -> int:
@@ -88,8 +92,13 @@ class ZooAttention(nn.Module):
         q = q.view(1, t, s.n_heads, s.head_dim).transpose(1, 2)
         k = k.view(1, t, s.n_kv_heads, s.head_dim).transpose(1, 2)
         v = v.view(1, t, s.n_kv_heads, s.v_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if s.rotary_dim:
+            rd = s.rotary_dim
+            q = torch.cat([q[..., :rd] * cos + _rotate_half(q[..., :rd]) * sin, q[..., rd:]], dim=-1)
+            k = torch.cat([k[..., :rd] * cos + _rotate_half(k[..., :rd]) * sin, k[..., rd:]], dim=-1)
+        else:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         out = torch.ops.kvcache.update_and_attend(q, k, v, op_pos, self.layer_id, s.head_dim ** -0.5, x.dtype)
         return self.o(out.transpose(1, 2).reshape(1, t, -1))
 
@@ -126,7 +135,8 @@ class ZooCore(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]) + (1.0 if p.dim() == 1 and p.shape[0] == cfg.dim else 0.0))
 
     def tables(self, pos: torch.Tensor, layer_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(pos, self.cfg.layers[layer_id].head_dim, self.cfg.theta)
+        s = self.cfg.layers[layer_id]
+        return rope_tables(pos, s.rotary_dim or s.head_dim, self.cfg.theta)
 
     def run(self, x: torch.Tensor, pos: torch.Tensor, op_pos: torch.Tensor,
             tables: "Sequence[Tuple[torch.Tensor, torch.Tensor]] | None" = None) -> torch.Tensor:
