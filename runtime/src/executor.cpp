@@ -159,7 +159,7 @@ Status StepExecutor::run_prepared(Span<EValue*> args, size_t width, int64_t* run
   if (m.has_length_input && !(s = io_->stage_length(int64_t(store_->length()), &inputs_[m.length_input])).ok())
     return s;
   // The load-time option, else the measured default (step_threads.h): one
-  // thread for decode (its linears with helpers that never hold it up), the
+  // thread for decode (`num_threads` n: its linears with n - 1 helpers), the
   // free cores for wider steps. Always set (with MKL's own count), never left
   // to the process: see StepThreads::Scope.
   StepThreads::Scope threads(*threads_, num_threads_ ? num_threads_ : threads_->automatic(width),

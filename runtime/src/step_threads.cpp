@@ -80,11 +80,9 @@ StepThreads::~StepThreads() {
 }
 
 size_t StepThreads::helpers(size_t width, size_t num_threads) const {
-  if (width != 1 || set_helpers_ == nullptr) return 0;
-  if (num_threads != 0) return num_threads - 1;
-  const size_t cores = usable_cores();
-  const size_t wanted = get_ != nullptr ? size_t(std::max(1, get_())) : cores;
-  return std::min(wanted, cores) - 1;
+  // Opt-in only (step_threads.h): the default decode step is one thread.
+  if (width != 1 || set_helpers_ == nullptr || num_threads == 0) return 0;
+  return num_threads - 1;
 }
 
 size_t StepThreads::automatic(size_t width) const {
