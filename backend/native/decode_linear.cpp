@@ -727,49 +727,56 @@ using offgraph_kv_native::View;
 using offgraph_kv_native::view_of;
 using offgraph_kv_native::with_float_type;
 
-AOTITorchError dense_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret) {
-  View wv, xv;
-  if (!view_of(w, 2, &wv) || !contiguous(wv)) return AOTI_TORCH_FAILURE;
-  const int64_t n = wv.sizes[0], k = wv.sizes[1];
+// The output for `x` [.., k] against n weight rows, then every activation
+// row through linear_rows over the rows `rows_for` makes: it is called with a
+// function to hand its rows to (its own dtype dispatch inside) and returns
+// false for a dtype it does not take.
+template <typename RowsFor>
+AOTITorchError run_linear(AtenTensorHandle x, int64_t k, int64_t n, int64_t group, AtenTensorHandle* ret,
+                          RowsFor&& rows_for) {
+  View xv;
   AtenTensorHandle out = nullptr;
   void* y = nullptr;
   if (!activations(x, k, n, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
   bool ok = false;
   with_float_type(xv.dtype, [&](auto xt) {
     using X = decltype(xt);
-    ok = with_float_type(wv.dtype, [&](auto wt) {
-      using W = decltype(wt);
-      linear_rows(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], k, n, 0,
-                  Dense<W>{static_cast<const W*>(wv.data), k}, static_cast<X*>(y));
-    });
-  });
-  return finish(ok, out, ret);
-}
-
-AOTITorchError int8_linear(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, AtenTensorHandle* ret) {
-  View qv, sv, xv;
-  if (!view_of(q, 2, &qv) || !contiguous(qv) || qv.dtype != aoti_torch_dtype_int8()) return AOTI_TORCH_FAILURE;
-  const int64_t n = qv.sizes[0], k = qv.sizes[1];
-  if (!view_of(scale, 1, &sv) || !contiguous(sv) || sv.sizes[0] != n) return AOTI_TORCH_FAILURE;
-  AtenTensorHandle out = nullptr;
-  void* y = nullptr;
-  if (!activations(x, k, n, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
-  bool ok = false;
-  with_float_type(xv.dtype, [&](auto xt) {
-    using X = decltype(xt);
-    ok = with_float_type(sv.dtype, [&](auto st) {
-      using S = decltype(st);
-      linear_rows(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], k, n, 0,
-                  Int8Rows<S>{{static_cast<const int8_t*>(qv.data), k}, static_cast<const S*>(sv.data)},
+    ok = rows_for([&](const auto& rows) {
+      linear_rows(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], k, n, group, rows,
                   static_cast<X*>(y));
     });
   });
   return finish(ok, out, ret);
 }
 
+AOTITorchError dense_linear(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret) {
+  View wv;
+  if (!view_of(w, 2, &wv) || !contiguous(wv)) return AOTI_TORCH_FAILURE;
+  const int64_t n = wv.sizes[0], k = wv.sizes[1];
+  return run_linear(x, k, n, 0, ret, [&](auto&& run) {
+    return with_float_type(wv.dtype, [&](auto wt) {
+      using W = decltype(wt);
+      run(Dense<W>{static_cast<const W*>(wv.data), k});
+    });
+  });
+}
+
+AOTITorchError int8_linear(AtenTensorHandle x, AtenTensorHandle q, AtenTensorHandle scale, AtenTensorHandle* ret) {
+  View qv, sv;
+  if (!view_of(q, 2, &qv) || !contiguous(qv) || qv.dtype != aoti_torch_dtype_int8()) return AOTI_TORCH_FAILURE;
+  const int64_t n = qv.sizes[0], k = qv.sizes[1];
+  if (!view_of(scale, 1, &sv) || !contiguous(sv) || sv.sizes[0] != n) return AOTI_TORCH_FAILURE;
+  return run_linear(x, k, n, 0, ret, [&](auto&& run) {
+    return with_float_type(sv.dtype, [&](auto st) {
+      using S = decltype(st);
+      run(Int8Rows<S>{{static_cast<const int8_t*>(qv.data), k}, static_cast<const S*>(sv.data)});
+    });
+  });
+}
+
 AOTITorchError int4_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTensorHandle scale,
                            AtenTensorHandle zero, AtenTensorHandle* ret) {
-  View pv, sv, zv, xv;
+  View pv, sv, zv;
   if (!view_of(packed, 3, &pv) || !contiguous(pv) || pv.dtype != aoti_torch_dtype_uint8()) return AOTI_TORCH_FAILURE;
   const int64_t n = pv.sizes[0], groups = pv.sizes[1], half = pv.sizes[2], k = groups * 2 * half;
   if (half < 1 || !view_of(scale, 2, &sv) || !contiguous(sv) || sv.sizes[0] != n || sv.sizes[1] != groups)
@@ -781,21 +788,12 @@ AOTITorchError int4_linear(AtenTensorHandle x, AtenTensorHandle packed, AtenTens
       return AOTI_TORCH_FAILURE;
     zp = static_cast<const int8_t*>(zv.data);
   }
-  AtenTensorHandle out = nullptr;
-  void* y = nullptr;
-  if (!activations(x, k, n, &xv, &out, &y)) return AOTI_TORCH_FAILURE;
-  bool ok = false;
-  with_float_type(xv.dtype, [&](auto xt) {
-    using X = decltype(xt);
-    ok = with_float_type(sv.dtype, [&](auto st) {
+  return run_linear(x, k, n, 2 * half, ret, [&](auto&& run) {
+    return with_float_type(sv.dtype, [&](auto st) {
       using S = decltype(st);
-      linear_rows(static_cast<const X*>(xv.data), xv.strides[0], xv.strides[1], xv.sizes[0], k, n, 2 * half,
-                  Int4Groups<S>{static_cast<const uint8_t*>(pv.data), static_cast<const S*>(sv.data), zp, groups,
-                                half},
-                  static_cast<X*>(y));
+      run(Int4Groups<S>{static_cast<const uint8_t*>(pv.data), static_cast<const S*>(sv.data), zp, groups, half});
     });
   });
-  return finish(ok, out, ret);
 }
 
 }  // namespace
