@@ -322,6 +322,48 @@ def test_hf_qwen2_with_qkv_biases_and_sliding_layers_gives_transformers_logits(t
         (True, False, True, loaded.args.layer_policies())
 
 
+# Phi-3 (fused q/k/v and gate/up projections) with its sliding window on every layer, GQA.
+_PHI3_SLIDING = dict(sliding_window=5, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def test_hf_phi3_fused_projections_give_transformers_logits(tmp_path: Path) -> None:
+    """Phi-3 stores q/k/v as one projection and gate/up as another: split along the rows, they give
+    transformers' logits, its sliding window a ring on every layer."""
+    hf = _saved_transformers_model(tmp_path, "Phi3", **_PHI3_SLIDING)
+    loaded = checkpoint.load_hf(tmp_path)
+    assert [p.window for p in loaded.args.layer_policies()] == [5, 5]
+    tokens = torch.randint(0, 300, (1, 13), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, [6, 1, 1, 2, 1, 1, 1]), expected,
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_hf_phi3_fused_tensor_of_the_wrong_shape_or_unfused_names_are_named(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    _saved_transformers_model(tmp_path, "Phi3", **_PHI3_SLIDING)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(str(weights))
+    qkv = "model.layers.1.self_attn.qkv_proj.weight"
+    # q 64 + k 32 + v 32 rows of 64 inputs: a fused tensor short of one part's rows is refused by name.
+    save_file({**state, qkv: state[qkv][:96].contiguous()}, str(weights))
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.qkv_proj\.weight'.*shape \(96, 64\).*\(128, 64\)"):
+        checkpoint.load_hf(tmp_path)
+    # Llama's unfused names are not Phi-3's: transformers would not read them.
+    unfused = {k: v for k, v in state.items() if k != qkv}
+    unfused.update({"model.layers.1.self_attn.q_proj.weight": state[qkv][:64].contiguous(),
+                    "model.layers.1.self_attn.k_proj.weight": state[qkv][64:96].contiguous(),
+                    "model.layers.1.self_attn.v_proj.weight": state[qkv][96:].contiguous()})
+    save_file(unfused, str(weights))
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.[qkv]_proj\.weight'.*not used"):
+        checkpoint.load_hf(tmp_path)
+    # Its missing fused tensor is named as Phi-3 stores it.
+    save_file({k: v for k, v in state.items() if k != qkv}, str(weights))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.qkv_proj\.weight'"):
+        checkpoint.load_hf(tmp_path)
+
+
 def _logits_agree_with_transformers_reading_our_writer(tmp_path: Path, loaded: "checkpoint.LoadedCheckpoint",
                                                       tokens: torch.Tensor) -> None:
     """hf_config + to_hf_state_dict of ``loaded``, read by transformers itself, give ``loaded``'s logits
@@ -710,9 +752,9 @@ def test_sampling_is_reproducible_from_the_seed_and_respects_top_p() -> None:
     assert run.sample(logits, 0.0, 0.9, torch.Generator()) == 0
 
 
-def _runs_like_transformers(pte: Path, hf: "torch.nn.Module", seed: int) -> None:
-    """``pte`` in the ExecuTorch runtime (initial capacity 8, so it grows): a 10-token prefill, then 14 decode
-    steps, each step's last logits against transformers' over the same 24 tokens."""
+def _runs_like_transformers(pte: Path, hf: "torch.nn.Module", seed: int, grows: bool = True) -> None:
+    """``pte`` in the ExecuTorch runtime (initial capacity 8, so a flat layer grows): a 10-token prefill, then
+    14 decode steps, each step's last logits against transformers' over the same 24 tokens."""
     import offgraph_kv.runtime
 
     offgraph_kv.runtime.configure(initial_capacity=8)
@@ -727,7 +769,7 @@ def _runs_like_transformers(pte: Path, hf: "torch.nn.Module", seed: int) -> None
     for i in range(10, 24):
         got.append(method.execute([ids[:, i:i + 1], positions(i, 1)])[0][0, -1])
     torch.testing.assert_close(torch.stack(got), want, atol=1e-4, rtol=1e-4)
-    assert offgraph_kv.runtime.stores()[-1].metrics()["growths"] >= 1
+    assert (offgraph_kv.runtime.stores()[-1].metrics()["growths"] >= 1) == grows
 
 
 def test_qwen2_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:
@@ -739,6 +781,16 @@ def test_qwen2_checkpoint_exported_from_its_directory_gives_transformers_logits(
     assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
                         "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
     _runs_like_transformers(out, hf, seed=5)
+
+
+def test_phi3_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:
+    """A Hugging Face Phi-3 directory (fused q/k/v and gate/up, a sliding window on every layer) through
+    export.py --hf-dir and the ExecuTorch runtime: transformers' logits as the rings wrap (no layer grows)."""
+    hf = _saved_transformers_model(tmp_path / "ckpt", "Phi3", seed=3, **_PHI3_SLIDING)
+    out = tmp_path / "phi3.pte"
+    assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
+                        "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
+    _runs_like_transformers(out, hf, seed=7, grows=False)
 
 
 def test_qwen3_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:

@@ -25,11 +25,13 @@ from json_files import REQUIRED, json_field, read_json_object
 from model import ModelArgs, Transformer, _rope_inverse_frequencies
 from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
-# Mistral's, Qwen2's and Qwen3's tensors and blocks are Llama's (Qwen2: plus q/k/v biases; Qwen3:
-# plus per-head q/k RMSNorms); their sliding windows make layers rings.
-SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mistral's, Qwen2's, Qwen3's and Phi-3's blocks are Llama's (Qwen2: plus q/k/v biases; Qwen3:
+# plus per-head q/k RMSNorms; Phi-3: q/k/v and gate/up each stored as one fused projection); their
+# sliding windows make layers rings.
+SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                              "Phi3ForCausalLM")
 _HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # RoPE types hf_args reads (transformers' names); any other is refused.
 _HF_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -475,9 +477,47 @@ def map_tensor_name(name: str, top: Mapping[str, str], per_layer: "re.Pattern[st
     return None
 
 
-def hf_to_model_name(name: str) -> Optional[str]:
-    """model.py's name for a Hugging Face Llama tensor name, or None if it has none."""
-    return map_tensor_name(name, _HF_TOP_NAMES, _HF_LAYER, _HF_LAYER_NAMES)
+# Phi-3's fused projections: each is model.py's tensors stacked along the rows in this order (transformers
+# splits the q/k/v output as q, k, v and chunks gate/up in halves, gate first). Phi-3 stores no others of
+# these tensors, so their unfused names are not its own.
+_HF_FUSED_LAYER_NAMES = {
+    "self_attn.qkv_proj.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
+    "mlp.gate_up_proj.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
+# Phi-3's names of the tensors it stores unfused.
+_HF_PHI3_LAYER_NAMES = {k: v for k, v in _HF_LAYER_NAMES.items()
+                        if v not in {p for parts in _HF_FUSED_LAYER_NAMES.values() for p in parts}}
+
+
+def hf_fuses_projections(config: Mapping[str, object]) -> bool:
+    """Whether the checkpoint's architecture stores Phi-3's fused projections (hf_args has checked it)."""
+    archs = config.get("architectures") or [_HF_MODEL_TYPES.get(str(config.get("model_type")), "")]
+    return "Phi3ForCausalLM" in archs
+
+
+def hf_to_model_name(name: str, fused: bool = False) -> Optional[str]:
+    """model.py's name for a Hugging Face tensor name, or None if it has none; with ``fused`` (Phi-3)
+    a fused projection's parts' names, comma-separated in their row order."""
+    m = _HF_LAYER.match(name)
+    if fused and m and m.group(2) in _HF_FUSED_LAYER_NAMES:
+        return ",".join(f"layers.{m.group(1)}.{part}" for part in _HF_FUSED_LAYER_NAMES[m.group(2)])
+    return map_tensor_name(name, _HF_TOP_NAMES, _HF_LAYER, _HF_PHI3_LAYER_NAMES if fused else _HF_LAYER_NAMES)
+
+
+def hf_tensor_parts(key: str, shape: Tuple[int, ...], expected: Mapping[str, torch.Size]) -> List[Tuple[str, int]]:
+    """The model tensors and their row counts that a checkpoint tensor holds (``key`` from
+    hf_to_model_name), in order; one for an unfused tensor. A part the model lacks is named."""
+    parts = key.split(",")
+    for part in parts:
+        if part not in expected:
+            raise KeyError(part)
+    return [(part, int(expected[part][0]) if len(parts) > 1 else int(shape[0] if shape else 0)) for part in parts]
+
+
+def _fused_shape(parts: List[Tuple[str, int]], expected: Mapping[str, torch.Size]) -> Tuple[int, ...]:
+    """The shape a fused tensor of ``parts`` must have: their rows stacked."""
+    first = tuple(expected[parts[0][0]])
+    return (sum(rows for _, rows in parts),) + first[1:] if len(parts) > 1 else first
 
 
 def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> ModelArgs:
@@ -500,6 +540,8 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
             )
     qwen2 = "Qwen2ForCausalLM" in archs
     qwen3 = "Qwen3ForCausalLM" in archs
+    if len(set(archs)) > 1:
+        raise ValueError(f"config.json names several architectures {archs}: one checkpoint is one model")
     if config.get("quantization_config"):
         method = dict(config["quantization_config"]).get("quant_method", "?") \
             if isinstance(config["quantization_config"], dict) else "?"
@@ -622,13 +664,17 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> Lis
     return windows if len(set(windows)) > 1 else windows[:1]
 
 
-def model_to_hf_name(key: str) -> str:
-    """The Hugging Face name of a model.py tensor (inverse of :func:`hf_to_model_name`)."""
+def model_to_hf_name(key: str, fused: bool = False) -> str:
+    """The Hugging Face name of a model.py tensor (inverse of :func:`hf_to_model_name`); with ``fused``
+    (Phi-3) the fused tensor that holds it."""
     for hf, ours in _HF_TOP_NAMES.items():
         if ours == key:
             return hf
     _, idx, rest = key.split(".", 2)
-    for hf, ours in _HF_LAYER_NAMES.items():
+    pairs = list((_HF_PHI3_LAYER_NAMES if fused else _HF_LAYER_NAMES).items())
+    if fused:
+        pairs += [(hf, part) for hf, parts in _HF_FUSED_LAYER_NAMES.items() for part in parts]
+    for hf, ours in pairs:
         if ours == rest:
             return f"model.layers.{idx}.{hf}"
     raise KeyError(key)
@@ -758,16 +804,21 @@ def _check_hf_headers(config: Mapping[str, object], shapes: Mapping[Path, Mappin
     args = hf_args(config, layers_held_by(names, "model.layers."))
     check_args(args, "config.json", layers_held_by(names, "model.layers."))
     expected = _expected_shapes(args)
+    fused = hf_fuses_projections(config)
     for path, per_file in shapes.items():
         for name, shape in per_file.items():
             if _DERIVED.search(name):
                 continue
-            key = "tok_embeddings.weight" if name == "lm_head.weight" and args.tie_embeddings else hf_to_model_name(name)
-            if key is None or key not in expected:
-                raise ValueError(f"checkpoint tensor {name!r} ({path.name}) is not used by the model")
-            if shape != tuple(expected[key]):
+            key = "tok_embeddings.weight" if name == "lm_head.weight" and args.tie_embeddings \
+                else hf_to_model_name(name, fused)
+            try:
+                parts = hf_tensor_parts(key or "", shape, expected)
+            except KeyError:
+                raise ValueError(f"checkpoint tensor {name!r} ({path.name}) is not used by the model") from None
+            want = _fused_shape(parts, expected)
+            if shape != want:
                 raise ValueError(f"checkpoint tensor {name!r} (model tensor {key!r}) has shape {shape}, "
-                                 f"the model expects {tuple(expected[key])}")
+                                 f"the model expects {want}")
 
 
 def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -> LoadedCheckpoint:
@@ -790,6 +841,10 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     if args.tie_embeddings:
         source_names["output.weight"] = "model.embed_tokens.weight"
     lm_head: Optional[torch.Tensor] = None
+    fused = hf_fuses_projections(config)
+    # A sane layer count before any model is built from it (the expected shapes build one on "meta").
+    check_args(args, "config.json", layers_held_by((n for t in files.values() for n in t), "model.layers."))
+    expected = _expected_shapes(args)
     for f, tensors in files.items():
         for name, tensor in tensors.items():
             if _DERIVED.search(name):
@@ -797,11 +852,24 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
             if name == "lm_head.weight" and args.tie_embeddings:
                 lm_head = tensor  # checked against the embedding below
                 continue
-            key = hf_to_model_name(name)
+            key = hf_to_model_name(name, fused)
             if key is None:
                 raise ValueError(f"checkpoint tensor {name!r} ({f.name}) is not used by the model")
-            state[key] = tensor
-            source_names[key] = name
+            if "," not in key:
+                state[key] = tensor
+                source_names[key] = name
+                continue
+            try:
+                parts = hf_tensor_parts(key, tuple(tensor.shape), expected)
+            except KeyError:
+                raise ValueError(f"checkpoint tensor {name!r} ({f.name}) is not used by the model") from None
+            want = _fused_shape(parts, expected)
+            if tuple(tensor.shape) != want:  # (pytorch_model.bin files: no header was checked)
+                raise ValueError(f"checkpoint tensor {name!r} (model tensors {key!r}) has shape "
+                                 f"{tuple(tensor.shape)}, the model expects {want}")
+            for (part, _), piece in zip(parts, torch.split(tensor, [rows for _, rows in parts], dim=0)):
+                state[part] = piece
+                source_names[part] = name
     if args.tie_embeddings:
         emb = state.get("tok_embeddings.weight")
         if emb is not None:
@@ -812,9 +880,8 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
                 )
             state["output.weight"] = emb
             source_names["output.weight"] = "model.embed_tokens.weight"
-    # Errors about missing tensors speak Hugging Face names too (once the layer count is known to be sane).
-    check_args(args, "config.json", layers_held_by(state, "layers."))
-    source_names = {**{k: model_to_hf_name(k) for k in _expected_shapes(args)}, **source_names}
+    # Errors about missing tensors speak Hugging Face names too (the layer count was checked above).
+    source_names = {**{k: model_to_hf_name(k, fused) for k in _expected_shapes(args)}, **source_names}
     model, target = build_model(args, state, parse_dtype(dtype), source_names)
     stops, bos = _hf_stop_tokens(directory, config, args.vocab_size)
     return LoadedCheckpoint(

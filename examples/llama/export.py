@@ -53,7 +53,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src.add_argument("--tiny", action="store_true", help="the deterministic toy model with a byte vocabulary")
     src.add_argument("--checkpoint", help="Meta consolidated*.pth (file, or directory of shards)")
     src.add_argument("--params", help="Meta params.json (default: next to --checkpoint)")
-    src.add_argument("--hf-dir", help="Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory (sliding windows: ring layers): "
+    src.add_argument("--hf-dir", help="Hugging Face Llama, Mistral, Qwen2, Qwen3 or Phi-3 directory (sliding windows: ring layers): "
                      "config.json + *.safetensors or pytorch_model*.bin, sharded or not")
     src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                      help="cast weights (default: bf16 where the device computes bf16 natively, else fp32; "
