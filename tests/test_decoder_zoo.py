@@ -59,6 +59,11 @@ ZOO: List[Entry] = [
           ("tokens", "pos"), positions="row", layers=(FLAT, RING, FLAT),
           what="GPT-NeoX / Phi RoPE: rotated dims and the pass-through tail joined by torch.cat "
                "(an empty tail on full rotary, which leaves the query head-strided); MQA and GQA; flat and ring"),
+    Entry("interleaved_rope_prescaled_query_bf16", RowPositions,
+          ZooConfig(layers=(LayerShape(4, 2, 12), LayerShape(4, 1, 12), LayerShape(4, 4, 12)), interleaved_rope=True),
+          ("tokens", "pos"), positions="row", layers=(FLAT, RING, FLAT), storage=torch.bfloat16,
+          what="GPT-J / Meta RoPE on adjacent pairs by unbind / stack / flatten, the query scaled before the op "
+               "(scale 1.0); GQA, MQA and MHA layers; flat and ring; bf16 storage"),
     Entry("row_positions_passed_to_the_op", RowPositionsToOp, ZooConfig(), ("tokens", "pos"), positions="row",
           export_error="position must be [T, n_dims]",
           what="[1, T] positions handed to the op, whose contract is [T, n_dims]"),

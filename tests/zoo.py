@@ -49,6 +49,9 @@ class ZooConfig:
     # The op's layer_id is block index x this: 2 gives ids 0, 2, 4, as a hybrid
     # model passes its block index when only some blocks attend.
     layer_id_stride: int = 1
+    # GPT-J / Meta-Llama RoPE: adjacent pairs (2i, 2i+1) rotated, written with unbind / stack /
+    # flatten; and the query scaled before the op (the op's scale then 1.0), as some ports write it.
+    interleaved_rope: bool = False
 
     @property
     def n_layers(self) -> int:
@@ -80,6 +83,7 @@ class ZooAttention(nn.Module):
             self.q, self.k, self.v = (nn.Linear(cfg.dim, n, bias=False) for n in (q, kv, vv))
         self.o = nn.Linear(s.n_heads * s.v_dim, cfg.dim, bias=False)
         self.fused = cfg.fused_qkv
+        self.interleaved = cfg.interleaved_rope
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, op_pos: torch.Tensor) -> torch.Tensor:
         t = x.shape[1]
@@ -92,14 +96,24 @@ class ZooAttention(nn.Module):
         q = q.view(1, t, s.n_heads, s.head_dim).transpose(1, 2)
         k = k.view(1, t, s.n_kv_heads, s.head_dim).transpose(1, 2)
         v = v.view(1, t, s.n_kv_heads, s.v_dim).transpose(1, 2)
-        if s.rotary_dim:
+        scale = s.head_dim ** -0.5
+        if self.interleaved:
+            half_cos, half_sin = cos[..., : s.head_dim // 2], sin[..., : s.head_dim // 2]
+
+            def rotate_pairs(z: torch.Tensor) -> torch.Tensor:
+                a, b = z.reshape(*z.shape[:-1], -1, 2).unbind(-1)
+                return torch.stack([a * half_cos - b * half_sin, a * half_sin + b * half_cos], -1).flatten(-2)
+
+            q, k = rotate_pairs(q) * scale, rotate_pairs(k)
+            scale = 1.0
+        elif s.rotary_dim:
             rd = s.rotary_dim
             q = torch.cat([q[..., :rd] * cos + _rotate_half(q[..., :rd]) * sin, q[..., rd:]], dim=-1)
             k = torch.cat([k[..., :rd] * cos + _rotate_half(k[..., :rd]) * sin, k[..., rd:]], dim=-1)
         else:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        out = torch.ops.kvcache.update_and_attend(q, k, v, op_pos, self.layer_id, s.head_dim ** -0.5, x.dtype)
+        out = torch.ops.kvcache.update_and_attend(q, k, v, op_pos, self.layer_id, scale, x.dtype)
         return self.o(out.transpose(1, 2).reshape(1, t, -1))
 
 
