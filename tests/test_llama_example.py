@@ -101,6 +101,17 @@ def _saved_transformers_model(path: Path, family: str, seed: int = 0, dtype: tor
     return hf
 
 
+def _eager_steps_give_transformers_logits(hf: "torch.nn.Module", loaded: "checkpoint.LoadedCheckpoint", seed: int,
+                                          widths: List[int]) -> torch.Tensor:
+    """Random tokens (``seed``) stepped through ``loaded``'s model in steps of ``widths`` give transformers'
+    logits over them, computed at once; the tokens."""
+    tokens = torch.randint(0, 300, (1, sum(widths)), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        expected = hf(tokens, use_cache=False).logits
+    torch.testing.assert_close(eager_steps(loaded.model, tokens, widths), expected, atol=2e-5, rtol=1e-4)
+    return tokens
+
+
 def _save_transformers_llama(path: Path, tie: bool, shard: bool, dtype: torch.dtype = torch.float32):  # noqa: ANN202
     return _saved_transformers_model(
         path, "Llama", dtype=dtype, max_shard_size="100KB" if shard else "1GB",
@@ -287,10 +298,7 @@ def test_hf_explicit_head_dim_and_pytorch_bin_weights_load_like_transformers(tmp
     (tmp_path / "model.safetensors").unlink()
     loaded = checkpoint.load_hf(tmp_path)
     assert loaded.args.head_dim == 24
-    tokens = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = hf(tokens, use_cache=False).logits
-    torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 3]), expected, atol=2e-5, rtol=1e-4)
+    _eager_steps_give_transformers_logits(hf, loaded, 2, [5, 1, 3])
 
 
 def test_hf_mistral_sliding_window_loads_as_ring_layers_with_transformers_logits(tmp_path: Path) -> None:
@@ -298,12 +306,8 @@ def test_hf_mistral_sliding_window_loads_as_ring_layers_with_transformers_logits
     hf = _saved_transformers_model(tmp_path, "Mistral", sliding_window=4, max_position_embeddings=256)
     loaded = checkpoint.load_hf(tmp_path)
     assert loaded.args.layer_policies()[0].window == 4
-    tokens = torch.randint(0, 300, (1, 13), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        expected = hf(tokens, use_cache=False).logits
     # Windows passed inside the prefill and across decode steps.
-    torch.testing.assert_close(eager_steps(loaded.model, tokens, [6, 1, 1, 2, 1, 1, 1]), expected,
-                               atol=2e-5, rtol=1e-4)
+    _eager_steps_give_transformers_logits(hf, loaded, 3, [6, 1, 1, 2, 1, 1, 1])
 
 
 def test_hf_qwen2_with_qkv_biases_and_sliding_layers_gives_transformers_logits(tmp_path: Path) -> None:
@@ -312,10 +316,7 @@ def test_hf_qwen2_with_qkv_biases_and_sliding_layers_gives_transformers_logits(t
     loaded = checkpoint.load_hf(tmp_path)
     assert loaded.args.qkv_bias and not loaded.args.out_bias and loaded.args.tie_embeddings
     assert [p.window for p in loaded.args.layer_policies()] == [0, 4]
-    tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        expected = hf(tokens, use_cache=False).logits
-    torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 1, 3, 1, 1]), expected, atol=2e-5, rtol=1e-4)
+    _eager_steps_give_transformers_logits(hf, loaded, 4, [5, 1, 1, 3, 1, 1])
     # Our writer's config reads back as the same model shape.
     again = checkpoint.load_hf(_write_hf(tmp_path / "ours", loaded.args)).args
     assert (again.qkv_bias, again.out_bias, again.tie_embeddings, again.layer_policies()) == \
@@ -332,11 +333,7 @@ def test_hf_phi3_fused_projections_give_transformers_logits(tmp_path: Path) -> N
     hf = _saved_transformers_model(tmp_path, "Phi3", **_PHI3_SLIDING)
     loaded = checkpoint.load_hf(tmp_path)
     assert [p.window for p in loaded.args.layer_policies()] == [5, 5]
-    tokens = torch.randint(0, 300, (1, 13), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        expected = hf(tokens, use_cache=False).logits
-    torch.testing.assert_close(eager_steps(loaded.model, tokens, [6, 1, 1, 2, 1, 1, 1]), expected,
-                               atol=2e-5, rtol=1e-4)
+    _eager_steps_give_transformers_logits(hf, loaded, 7, [6, 1, 1, 2, 1, 1, 1])
 
 
 def test_hf_phi3_fused_tensor_of_the_wrong_shape_or_unfused_names_are_named(tmp_path: Path) -> None:
@@ -386,10 +383,7 @@ def test_hf_llama_mlp_bias_gives_transformers_logits(tmp_path: Path) -> None:
     loaded = checkpoint.load_hf(tmp_path / "ckpt")
     assert loaded.args.mlp_bias and not loaded.args.qkv_bias
     assert loaded.model.layers[1].feed_forward.w2.bias is not None
-    tokens = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        expected = hf(tokens, use_cache=False).logits
-    torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 3]), expected, atol=2e-5, rtol=1e-4)
+    tokens = _eager_steps_give_transformers_logits(hf, loaded, 6, [5, 1, 3])
     assert checkpoint.hf_config(loaded.args)["mlp_bias"] is True
     _logits_agree_with_transformers_reading_our_writer(tmp_path / "ours", loaded, tokens)
 
@@ -429,10 +423,7 @@ def test_hf_qwen3_with_qk_norms_gives_transformers_logits(tmp_path: Path, attent
     assert a.qk_norm and a.head_dim == 24 and (a.qkv_bias, a.out_bias) == (attention_bias, attention_bias)
     assert [p.window for p in a.layer_policies()] == [0, 4]
     assert loaded.model.layers[0].attention.q_norm.weight.shape == (24,)
-    tokens = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        expected = hf(tokens, use_cache=False).logits
-    torch.testing.assert_close(eager_steps(loaded.model, tokens, [5, 1, 1, 3, 1, 1]), expected, atol=2e-5, rtol=1e-4)
+    tokens = _eager_steps_give_transformers_logits(hf, loaded, 8, [5, 1, 1, 3, 1, 1])
     config = checkpoint.hf_config(a)
     assert (config["architectures"], config["attention_bias"]) == (["Qwen3ForCausalLM"], attention_bias)
     _logits_agree_with_transformers_reading_our_writer(tmp_path / "ours", loaded, tokens)

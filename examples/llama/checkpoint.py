@@ -489,40 +489,9 @@ _HF_PHI3_LAYER_NAMES = {k: v for k, v in _HF_LAYER_NAMES.items()
                         if v not in {p for parts in _HF_FUSED_LAYER_NAMES.values() for p in parts}}
 
 
-def hf_fuses_projections(config: Mapping[str, object]) -> bool:
-    """Whether the checkpoint's architecture stores Phi-3's fused projections (hf_args has checked it)."""
-    archs = config.get("architectures") or [_HF_MODEL_TYPES.get(str(config.get("model_type")), "")]
-    return "Phi3ForCausalLM" in archs
-
-
-def hf_to_model_name(name: str, fused: bool = False) -> Optional[str]:
-    """model.py's name for a Hugging Face tensor name, or None if it has none; with ``fused`` (Phi-3)
-    a fused projection's parts' names, comma-separated in their row order."""
-    m = _HF_LAYER.match(name)
-    if fused and m and m.group(2) in _HF_FUSED_LAYER_NAMES:
-        return ",".join(f"layers.{m.group(1)}.{part}" for part in _HF_FUSED_LAYER_NAMES[m.group(2)])
-    return map_tensor_name(name, _HF_TOP_NAMES, _HF_LAYER, _HF_PHI3_LAYER_NAMES if fused else _HF_LAYER_NAMES)
-
-
-def hf_tensor_parts(key: str, shape: Tuple[int, ...], expected: Mapping[str, torch.Size]) -> List[Tuple[str, int]]:
-    """The model tensors and their row counts that a checkpoint tensor holds (``key`` from
-    hf_to_model_name), in order; one for an unfused tensor. A part the model lacks is named."""
-    parts = key.split(",")
-    for part in parts:
-        if part not in expected:
-            raise KeyError(part)
-    return [(part, int(expected[part][0]) if len(parts) > 1 else int(shape[0] if shape else 0)) for part in parts]
-
-
-def _fused_shape(parts: List[Tuple[str, int]], expected: Mapping[str, torch.Size]) -> Tuple[int, ...]:
-    """The shape a fused tensor of ``parts`` must have: their rows stacked."""
-    first = tuple(expected[parts[0][0]])
-    return (sum(rows for _, rows in parts),) + first[1:] if len(parts) > 1 else first
-
-
-def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> ModelArgs:
-    """ModelArgs from a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling); a layer count
-    above the ``layers_held`` blocks the weights carry is named before any per-layer list is made."""
+def hf_architectures(config: Mapping[str, object]) -> List[str]:
+    """The one architecture ``config.json`` names (its ``architectures``, else its ``model_type``'s), as a
+    list; a ValueError naming an unsupported one, none, or several."""
     where = "config.json"
     archs = list(json_field(config, "architectures", "strs", where, []))
     if not archs:
@@ -538,10 +507,38 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
             raise ValueError(
                 f"unsupported architecture {arch!r} in config.json; supported: {', '.join(SUPPORTED_HF_ARCHITECTURES)}"
             )
-    qwen2 = "Qwen2ForCausalLM" in archs
-    qwen3 = "Qwen3ForCausalLM" in archs
     if len(set(archs)) > 1:
         raise ValueError(f"config.json names several architectures {archs}: one checkpoint is one model")
+    return archs
+
+
+def hf_fuses_projections(config: Mapping[str, object]) -> bool:
+    """Whether the checkpoint's architecture stores Phi-3's fused projections."""
+    return "Phi3ForCausalLM" in hf_architectures(config)
+
+
+def hf_to_model_names(name: str, fused: bool = False) -> Optional[List[str]]:
+    """model.py's names for a Hugging Face tensor: its one tensor, or with ``fused`` (Phi-3) a fused
+    projection's parts in their row order; None if it has none."""
+    m = _HF_LAYER.match(name)
+    if fused and m and m.group(2) in _HF_FUSED_LAYER_NAMES:
+        return [f"layers.{m.group(1)}.{part}" for part in _HF_FUSED_LAYER_NAMES[m.group(2)]]
+    key = map_tensor_name(name, _HF_TOP_NAMES, _HF_LAYER, _HF_PHI3_LAYER_NAMES if fused else _HF_LAYER_NAMES)
+    return None if key is None else [key]
+
+
+def _stacked_shape(parts: List[str], expected: Mapping[str, torch.Size]) -> Tuple[int, ...]:
+    """The shape of the checkpoint tensor holding ``parts``: their rows stacked (one part: its own shape)."""
+    return (sum(int(expected[p][0]) for p in parts),) + tuple(expected[parts[0]])[1:]
+
+
+def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> ModelArgs:
+    """ModelArgs from a Hugging Face ``config.json`` (transformers 4.x or 5.x spelling); a layer count
+    above the ``layers_held`` blocks the weights carry is named before any per-layer list is made."""
+    where = "config.json"
+    archs = hf_architectures(config)
+    qwen2 = "Qwen2ForCausalLM" in archs
+    qwen3 = "Qwen3ForCausalLM" in archs
     if config.get("quantization_config"):
         method = dict(config["quantization_config"]).get("quant_method", "?") \
             if isinstance(config["quantization_config"], dict) else "?"
@@ -665,7 +662,7 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> Lis
 
 
 def model_to_hf_name(key: str, fused: bool = False) -> str:
-    """The Hugging Face name of a model.py tensor (inverse of :func:`hf_to_model_name`); with ``fused``
+    """The Hugging Face name of a model.py tensor (inverse of :func:`hf_to_model_names`); with ``fused``
     (Phi-3) the fused tensor that holds it."""
     for hf, ours in _HF_TOP_NAMES.items():
         if ours == key:
@@ -809,15 +806,13 @@ def _check_hf_headers(config: Mapping[str, object], shapes: Mapping[Path, Mappin
         for name, shape in per_file.items():
             if _DERIVED.search(name):
                 continue
-            key = "tok_embeddings.weight" if name == "lm_head.weight" and args.tie_embeddings \
-                else hf_to_model_name(name, fused)
-            try:
-                parts = hf_tensor_parts(key or "", shape, expected)
-            except KeyError:
-                raise ValueError(f"checkpoint tensor {name!r} ({path.name}) is not used by the model") from None
-            want = _fused_shape(parts, expected)
+            parts = ["tok_embeddings.weight"] if name == "lm_head.weight" and args.tie_embeddings \
+                else hf_to_model_names(name, fused)
+            if parts is None or any(p not in expected for p in parts):
+                raise ValueError(f"checkpoint tensor {name!r} ({path.name}) is not used by the model")
+            want = _stacked_shape(parts, expected)
             if shape != want:
-                raise ValueError(f"checkpoint tensor {name!r} (model tensor {key!r}) has shape {shape}, "
+                raise ValueError(f"checkpoint tensor {name!r} (model tensor {', '.join(parts)!r}) has shape {shape}, "
                                  f"the model expects {want}")
 
 
@@ -852,22 +847,18 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
             if name == "lm_head.weight" and args.tie_embeddings:
                 lm_head = tensor  # checked against the embedding below
                 continue
-            key = hf_to_model_name(name, fused)
-            if key is None:
+            parts = hf_to_model_names(name, fused)
+            if parts is None or (len(parts) > 1 and any(p not in expected for p in parts)):
                 raise ValueError(f"checkpoint tensor {name!r} ({f.name}) is not used by the model")
-            if "," not in key:
-                state[key] = tensor
-                source_names[key] = name
-                continue
-            try:
-                parts = hf_tensor_parts(key, tuple(tensor.shape), expected)
-            except KeyError:
-                raise ValueError(f"checkpoint tensor {name!r} ({f.name}) is not used by the model") from None
-            want = _fused_shape(parts, expected)
-            if tuple(tensor.shape) != want:  # (pytorch_model.bin files: no header was checked)
-                raise ValueError(f"checkpoint tensor {name!r} (model tensors {key!r}) has shape "
-                                 f"{tuple(tensor.shape)}, the model expects {want}")
-            for (part, _), piece in zip(parts, torch.split(tensor, [rows for _, rows in parts], dim=0)):
+            if len(parts) > 1:  # a fused projection, split here (build_model checks every part's shape)
+                want = _stacked_shape(parts, expected)
+                if tuple(tensor.shape) != want:  # pytorch_model.bin files had no header check
+                    raise ValueError(f"checkpoint tensor {name!r} (model tensors {', '.join(parts)!r}) has shape "
+                                     f"{tuple(tensor.shape)}, the model expects {want}")
+                pieces = torch.split(tensor, [int(expected[p][0]) for p in parts], dim=0)
+            else:
+                pieces = (tensor,)
+            for part, piece in zip(parts, pieces):
                 state[part] = piece
                 source_names[part] = name
     if args.tie_embeddings:
@@ -881,7 +872,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
             state["output.weight"] = emb
             source_names["output.weight"] = "model.embed_tokens.weight"
     # Errors about missing tensors speak Hugging Face names too (the layer count was checked above).
-    source_names = {**{k: model_to_hf_name(k, fused) for k in _expected_shapes(args)}, **source_names}
+    source_names = {**{k: model_to_hf_name(k, fused) for k in expected}, **source_names}
     model, target = build_model(args, state, parse_dtype(dtype), source_names)
     stops, bos = _hf_stop_tokens(directory, config, args.vocab_size)
     return LoadedCheckpoint(
