@@ -7,6 +7,7 @@ test that needs the compiled path shares it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -84,11 +85,15 @@ _QWEN3_SLIDING = dict(_QWEN2_SLIDING, head_dim=24,
                       rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6})
 
 
+# The config class of a family whose name is not <family>Config (Gemma 3's text-only model).
+_HF_CONFIG_CLASSES = {"Gemma3": "Gemma3TextConfig"}
+
+
 def _saved_transformers_model(path: Path, family: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                               max_shard_size: str = "1GB", **config: object):  # noqa: ANN201
     """A transformers ``<family>ForCausalLM`` of _HF_SMALL shapes plus ``config``, saved to ``path``."""
     transformers = pytest.importorskip("transformers")
-    cfg = getattr(transformers, f"{family}Config")(**{**_HF_SMALL, **config})
+    cfg = getattr(transformers, _HF_CONFIG_CLASSES.get(family, f"{family}Config"))(**{**_HF_SMALL, **config})
     torch.manual_seed(seed)
     hf = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
     with torch.no_grad():
@@ -282,8 +287,8 @@ def test_hf_unused_tensor_is_named(tmp_path: Path) -> None:
 
 
 def test_hf_unknown_architecture_is_named(tmp_path: Path) -> None:
-    d = _write_hf(tmp_path, tiny_args(), config_update={"architectures": ["Gemma3ForCausalLM"]})
-    with pytest.raises(ValueError, match="unsupported architecture 'Gemma3ForCausalLM'"):
+    d = _write_hf(tmp_path, tiny_args(), config_update={"architectures": ["Gemma3ForConditionalGeneration"]})
+    with pytest.raises(ValueError, match="unsupported architecture 'Gemma3ForConditionalGeneration'"):
         checkpoint.load_hf(d)
 
 
@@ -334,6 +339,74 @@ def test_hf_phi3_fused_projections_give_transformers_logits(tmp_path: Path) -> N
     loaded = checkpoint.load_hf(tmp_path)
     assert [p.window for p in loaded.args.layer_policies()] == [5, 5]
     _eager_steps_give_transformers_logits(hf, loaded, 7, [6, 1, 1, 2, 1, 1, 1])
+
+
+# The Gemma family on _HF_SMALL shapes: heads narrower than hidden_size / heads, a softmax scale that is
+# not 1/sqrt(head_dim), sliding layers in transformers' default patterns, a final logit cap, and (Gemma 3)
+# a RoPE base per layer kind with linear scaling on the full layers only.
+_GEMMA_FAMILY = {
+    "Gemma": dict(head_dim=24),
+    "Gemma2": dict(head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=5.0, sliding_window=4,
+                   query_pre_attn_scalar=20),
+    "Gemma3": dict(head_dim=16, num_hidden_layers=7, num_key_value_heads=1, sliding_window=3, query_pre_attn_scalar=20,
+                   final_logit_softcapping=8.0,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_GEMMA_FAMILY))
+def test_hf_gemma_family_gives_transformers_logits(tmp_path: Path, family: str) -> None:
+    """Gemma's (1 + weight) norms, scaled embeddings and GELU gate; Gemma 2/3's norms after each sublayer,
+    query_pre_attn_scalar and sliding layers; Gemma 3's q/k norms and per-kind RoPE bases: transformers'
+    logits, stepped across the windows."""
+    hf = _saved_transformers_model(tmp_path, family, **_GEMMA_FAMILY[family])
+    args = checkpoint.load_hf(tmp_path).args
+    assert args.norm_offset and args.embed_scale and args.tie_embeddings and args.mlp_act == "gelu_tanh"
+    if family != "Gemma":
+        assert args.sandwich_norms and args.attention_scale == pytest.approx(20 ** -0.5)
+    if family == "Gemma2":  # transformers' default: every other layer slides, the first one included
+        assert [p.window for p in args.layer_policies()] == [4, 0]
+    if family == "Gemma3":  # every sixth layer is full
+        assert [p.window for p in args.layer_policies()] == [3, 3, 3, 3, 3, 0, 3]
+        assert (args.local_rope_theta, args.rope_theta, args.rope_scaling) == \
+            (100.0, 1e6, {"rope_type": "linear", "factor": 4.0})
+    _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 8, [6, 1, 1, 3, 1, 1])
+
+
+def test_hf_gemma3_config_in_transformers_4_spelling_loads_the_same_model(tmp_path: Path) -> None:
+    """transformers 4.x wrote Gemma 3's RoPE as rope_theta + rope_local_base_freq + rope_scaling and often
+    no layer_types (sliding_window_pattern, default 6): the same model as 5.x's nested rope_parameters."""
+    hf = _saved_transformers_model(tmp_path, "Gemma3", **_GEMMA_FAMILY["Gemma3"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.pop("layer_types")
+    config.update(rope_theta=rope["full_attention"]["rope_theta"], rope_scaling={"rope_type": "linear", "factor": 4.0},
+                  rope_local_base_freq=rope["sliding_attention"]["rope_theta"], sliding_window_pattern=6)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 9, [5, 1, 1, 1])
+
+
+@pytest.mark.parametrize("update,named", [
+    ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping is set"),
+    ({"use_bidirectional_attention": True}, r"use_bidirectional_attention"),
+    ({"hidden_activation": "relu"}, r"hidden_activation 'relu' is not supported"),
+    ({"query_pre_attn_scalar": -4}, r"query_pre_attn_scalar must be a finite number > 0"),
+])
+def test_gemma2_configs_model_py_cannot_compute_are_named(tmp_path: Path, update: Dict[str, object],
+                                                          named: str) -> None:
+    """Gemma 2's attention softcap (tanh on the attention logits, the default when the field is absent), a
+    bidirectional encoder, an unknown gate activation, a degenerate scale: refused by field, not loaded as
+    another model."""
+    _saved_transformers_model(tmp_path, "Gemma2", **_GEMMA_FAMILY["Gemma2"])
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, **update}))
+    with pytest.raises(ValueError, match=named):
+        checkpoint.load_hf(tmp_path)
+    checkpoint.hf_args(saved)  # the saved config itself loads
+    saved.pop("attn_logit_softcapping")  # absent: transformers' Gemma 2 default of 50 caps too
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping is set"):
+        checkpoint.hf_args(saved)
 
 
 def test_hf_phi3_fused_tensor_of_the_wrong_shape_or_unfused_names_are_named(tmp_path: Path) -> None:
@@ -782,6 +855,21 @@ def test_phi3_checkpoint_exported_from_its_directory_gives_transformers_logits(t
     assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
                         "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
     _runs_like_transformers(out, hf, seed=7, grows=False)
+
+
+def test_gemma3_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:
+    """A Hugging Face Gemma 3 directory (offset norms, scaled embeddings, GELU, four norms a block, q/k norms,
+    a RoPE base per layer kind, one KV head, a final logit cap) through export.py --hf-dir and the
+    ExecuTorch runtime: transformers' logits across the windows and a growth; the sidecar reads back."""
+    hf = _saved_transformers_model(tmp_path / "ckpt", "Gemma3", seed=4, **_GEMMA_FAMILY["Gemma3"])
+    out = tmp_path / "gemma3.pte"
+    assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
+                        "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
+    side = json.loads(export.sidecar_path(out).read_text())["model_args"]
+    # The same model (export chose to hand back the last position's logits only).
+    assert run.model_args_from_json(side, "sidecar") == \
+        dataclasses.replace(checkpoint.load_hf(tmp_path / "ckpt").args, full_logits=side["full_logits"])
+    _runs_like_transformers(out, hf, seed=8)
 
 
 def test_qwen3_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:

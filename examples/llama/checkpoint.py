@@ -22,16 +22,23 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from json_files import REQUIRED, json_field, read_json_object
-from model import ModelArgs, Transformer, _rope_inverse_frequencies
+from model import MLP_ACTIVATIONS, ModelArgs, Transformer
 from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 
 # Mistral's, Qwen2's, Qwen3's and Phi-3's blocks are Llama's (Qwen2: plus q/k/v biases; Qwen3:
 # plus per-head q/k RMSNorms; Phi-3: q/k/v and gate/up each stored as one fused projection); their
-# sliding windows make layers rings.
+# sliding windows make layers rings. Gemma's are too, with (1 + weight) norms, scaled embeddings and a
+# GELU gate; Gemma 2 adds a norm after each sublayer and its own softmax scale (and RoPE bases per
+# layer kind in Gemma 3, with Qwen3's q/k norms).
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                              "Phi3ForCausalLM")
+                              "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+_GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# transformers' ACT2FN names of the MLP gates model.py computes ("gelu_new" is the tanh formula too).
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                   "gelu_new": "gelu_tanh"}
 # RoPE types hf_args reads (transformers' names); any other is refused.
 _HF_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -159,6 +166,12 @@ def check_args(args: ModelArgs, where: str, layers_held: Optional[int] = None) -
         raise ValueError(f"{where}: {args.n_heads} query heads is not a multiple of {args.n_kv_heads} KV heads")
     if not (math.isfinite(args.rope_theta) and args.rope_theta > 0):
         raise ValueError(f"{where}: the RoPE base (rope_theta) must be a finite number > 0, got {args.rope_theta}")
+    for name in ("attention_scale", "local_rope_theta", "final_logit_softcap"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{where}: {name} must be a finite number > 0 (or absent), got {value}")
+    if args.mlp_act not in MLP_ACTIVATIONS:
+        raise ValueError(f"{where}: mlp_act {args.mlp_act!r} is not one of {', '.join(MLP_ACTIVATIONS)}")
     if not (math.isfinite(args.norm_eps) and args.norm_eps >= 0):
         raise ValueError(f"{where}: the RMSNorm epsilon must be a finite number >= 0, got {args.norm_eps}")
     s = args.rope_scaling or {}
@@ -267,8 +280,8 @@ def build_model(
     if args.tie_embeddings:
         # assign=True replaced the two entries separately; restore the tie.
         model.output.weight = model.tok_embeddings.weight
-    # Non-persistent buffer, still on the meta device: recompute it for real.
-    model.inv_freq = _rope_inverse_frequencies(args)
+    # Non-persistent buffers, still on the meta device: recompute them for real.
+    model.reset_rope()
     return model.eval(), target
 
 
@@ -487,6 +500,18 @@ _HF_FUSED_LAYER_NAMES = {
 # Phi-3's names of the tensors it stores unfused.
 _HF_PHI3_LAYER_NAMES = {k: v for k, v in _HF_LAYER_NAMES.items()
                         if v not in {p for parts in _HF_FUSED_LAYER_NAMES.values() for p in parts}}
+# Gemma 2/3 normalise each sublayer's output too; their post_attention_layernorm is that second norm of
+# the attention (Llama's is the MLP's input norm, pre_feedforward_layernorm here).
+_HF_SANDWICH_LAYER_NAMES = {**_HF_LAYER_NAMES,
+                            "post_attention_layernorm.weight": "post_attention_norm.weight",
+                            "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                            "post_feedforward_layernorm.weight": "post_ffn_norm.weight"}
+# How an architecture names its per-layer tensors: (one-to-one names, fused tensors' parts).
+_HF_LAYOUTS: Dict[str, Tuple[Mapping[str, str], Mapping[str, Tuple[str, ...]]]] = {
+    "plain": (_HF_LAYER_NAMES, {}),
+    "fused": (_HF_PHI3_LAYER_NAMES, _HF_FUSED_LAYER_NAMES),
+    "sandwich": (_HF_SANDWICH_LAYER_NAMES, {}),
+}
 
 
 def hf_architectures(config: Mapping[str, object]) -> List[str]:
@@ -512,18 +537,23 @@ def hf_architectures(config: Mapping[str, object]) -> List[str]:
     return archs
 
 
-def hf_fuses_projections(config: Mapping[str, object]) -> bool:
-    """Whether the checkpoint's architecture stores Phi-3's fused projections."""
-    return "Phi3ForCausalLM" in hf_architectures(config)
+def hf_tensor_layout(config: Mapping[str, object]) -> str:
+    """How the checkpoint's architecture names its layer tensors: "fused" (Phi-3's fused projections),
+    "sandwich" (Gemma 2/3's four norms per block) or "plain" (Llama's)."""
+    arch = hf_architectures(config)[0]
+    if arch == "Phi3ForCausalLM":
+        return "fused"
+    return "sandwich" if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else "plain"
 
 
-def hf_to_model_names(name: str, fused: bool = False) -> Optional[List[str]]:
-    """model.py's names for a Hugging Face tensor: its one tensor, or with ``fused`` (Phi-3) a fused
-    projection's parts in their row order; None if it has none."""
+def hf_to_model_names(name: str, layout: str = "plain") -> Optional[List[str]]:
+    """model.py's names for a Hugging Face tensor: its one tensor, or a fused projection's parts in their
+    row order (``layout`` "fused", Phi-3); None if it has none."""
+    names, fused = _HF_LAYOUTS[layout]
     m = _HF_LAYER.match(name)
-    if fused and m and m.group(2) in _HF_FUSED_LAYER_NAMES:
-        return [f"layers.{m.group(1)}.{part}" for part in _HF_FUSED_LAYER_NAMES[m.group(2)]]
-    key = map_tensor_name(name, _HF_TOP_NAMES, _HF_LAYER, _HF_PHI3_LAYER_NAMES if fused else _HF_LAYER_NAMES)
+    if m and m.group(2) in fused:
+        return [f"layers.{m.group(1)}.{part}" for part in fused[m.group(2)]]
+    key = map_tensor_name(name, _HF_TOP_NAMES, _HF_LAYER, names)
     return None if key is None else [key]
 
 
@@ -539,6 +569,9 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     archs = hf_architectures(config)
     qwen2 = "Qwen2ForCausalLM" in archs
     qwen3 = "Qwen3ForCausalLM" in archs
+    arch = archs[0]
+    gemma = arch in _GEMMA
+    sandwich = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     if config.get("quantization_config"):
         method = dict(config["quantization_config"]).get("quant_method", "?") \
             if isinstance(config["quantization_config"], dict) else "?"
@@ -553,19 +586,24 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     n_layers = _number(config, "num_hidden_layers", where)
     if layers_held is not None and n_layers > layers_held:  # a damaged count listed a window per layer (GBs)
         raise ValueError(f"{where} states {n_layers} layers, its tensors hold only {layers_held}")
+    if json_field(config, "use_bidirectional_attention", "bool", where, False):
+        raise ValueError("config.json sets use_bidirectional_attention: a bidirectional encoder, not a decoder")
     # Qwen3 decides its sliding layers as Qwen2 does.
-    windows = _hf_windows(config, n_layers, qwen2 or qwen3)
-    act = json_field(config, "hidden_act", "str", where, "silu")
-    if act not in ("silu", "swish"):  # transformers' ACT2FN: "swish" is SiLU
-        raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
+    windows = _hf_windows(config, n_layers, qwen2 or qwen3, arch)
+    # Gemma 2/3's MLPs read hidden_activation, Gemma's (as every other here) hidden_act.
+    act_key = "hidden_activation" if sandwich else "hidden_act"
+    act = json_field(config, act_key, "str", where, "gelu_pytorch_tanh" if gemma else "silu")
+    if act not in _HF_ACTIVATIONS:
+        raise ValueError(f"config.json {act_key} {act!r} is not supported (only {', '.join(_HF_ACTIVATIONS)})")
     dim = _number(config, "hidden_size", where)
     n_heads = _number(config, "num_attention_heads", where)
     if n_heads <= 0 or dim <= 0:
         raise ValueError(f"config.json: hidden_size {dim} and num_attention_heads {n_heads} must be positive")
     # An explicit head_dim may differ from hidden_size / heads (e.g. Llama-3.1-Minitron-4B-Width: 3072 / 32, 128).
     head_dim = config.get("head_dim")
-    if head_dim is None and qwen3:
-        head_dim = 128  # Qwen3Config's default, which transformers uses when the file gives none
+    if head_dim is None and (qwen3 or gemma):
+        # Qwen3Config's and the Gemma configs' defaults, which transformers uses when the file gives none.
+        head_dim = 256 if gemma else 128
     else:
         head_dim = _number(config, "head_dim", where) if head_dim is not None else None
     if head_dim is None and dim % n_heads:
@@ -575,8 +613,12 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     rope = dict(json_field(config, rope_key, "object", where, {}))
     rope_where = f"config.json {rope_key}"
+    local_theta = None
+    if arch == "Gemma3ForCausalLM":
+        rope, rope_where, local_theta = _gemma3_rope(config, rope, rope_key)
     theta = json_field(rope, "rope_theta", "number", rope_where,
-                       json_field(config, "rope_theta", "number", where, 10000.0))
+                       json_field(config, "rope_theta", "number", where,
+                                  1e6 if arch == "Gemma3ForCausalLM" else 10000.0))
     rope_type = json_field(rope, "rope_type", "str", rope_where, json_field(rope, "type", "str", rope_where, "default"))
     # A partial rotation (RoPE on some head dims only) is not what model.py rotates.
     for key, value in (("partial_rotary_factor", json_field(config, "partial_rotary_factor", "number", where, None)),
@@ -604,6 +646,7 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
         raise ValueError(f"config.json rope_type {rope_type!r} is not supported "
                          f"(only {', '.join(repr(t) for t in _HF_ROPE_TYPES)})")
     attention_bias = json_field(config, "attention_bias", "bool", where, False)
+    scale, final_cap = _gemma_scales(config, arch) if sandwich else (None, None)
     return ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -614,39 +657,94 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
         norm_eps=_number(config, "rms_norm_eps", where, float, default=1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_embeddings=json_field(config, "tie_word_embeddings", "bool", where, False),
+        tie_embeddings=json_field(config, "tie_word_embeddings", "bool", where, gemma),
         attention_head_dim=head_dim if head_dim is not None and head_dim * n_heads != dim else None,
         sliding_windows=windows,
         qkv_bias=qwen2 or attention_bias,
         out_bias=attention_bias,
         mlp_bias=mlp_bias,
-        qk_norm=qwen3,
+        qk_norm=qwen3 or arch == "Gemma3ForCausalLM",
+        norm_offset=gemma,
+        embed_scale=gemma,
+        mlp_act=_HF_ACTIVATIONS[act],
+        sandwich_norms=sandwich,
+        attention_scale=scale,
+        local_rope_theta=local_theta,
+        final_logit_softcap=final_cap,
     )
 
 
-def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> List[int]:
+def _gemma3_rope(config: Mapping[str, object], rope: Dict[str, object],
+                 rope_key: str) -> Tuple[Dict[str, object], str, float]:
+    """Gemma 3's RoPE: the full layers' parameters (with any scaling), where, and the sliding layers'
+    base; transformers 5 nests both under rope_parameters by layer kind, 4.x gave rope_theta,
+    rope_scaling (full layers) and rope_local_base_freq."""
+    where = "config.json"
+    local = 10000.0
+    if "full_attention" in rope or "sliding_attention" in rope:
+        sliding = dict(json_field(rope, "sliding_attention", "object", f"{where} {rope_key}", {}))
+        local_where = f"{where} {rope_key}.sliding_attention"
+        if json_field(sliding, "rope_type", "str", local_where, "default") != "default":
+            raise ValueError(f"{local_where}: only rope_type 'default' is supported on sliding layers")
+        local = json_field(sliding, "rope_theta", "number", local_where, local)
+        return (dict(json_field(rope, "full_attention", "object", f"{where} {rope_key}", {})),
+                f"{where} {rope_key}.full_attention", local)
+    return rope, f"{where} {rope_key}", json_field(config, "rope_local_base_freq", "number", where, local)
+
+
+def _gemma_scales(config: Mapping[str, object], arch: str) -> Tuple[float, Optional[float]]:
+    """Gemma 2/3's softmax scale (query_pre_attn_scalar ** -0.5) and final logit cap. Gemma 2 caps
+    attention logits too, which update_and_attend cannot; Gemma 3's transformers ignores that field."""
+    where = "config.json"
+    gemma2 = arch == "Gemma2ForCausalLM"
+    if gemma2 and _hf_optional(config, "attn_logit_softcapping", "number", 50.0) is not None:
+        raise ValueError("config.json: attn_logit_softcapping is set (Gemma 2 caps attention logits with tanh), "
+                         "which kvcache::update_and_attend does not compute; only a config with it null loads")
+    scalar = json_field(config, "query_pre_attn_scalar", "number", where, 256)
+    if not (math.isfinite(scalar) and scalar > 0):
+        raise ValueError(f"config.json: query_pre_attn_scalar must be a finite number > 0, got {scalar}")
+    return scalar ** -0.5, _hf_optional(config, "final_logit_softcapping", "number", 30.0 if gemma2 else None)
+
+
+def _hf_optional(config: Mapping[str, object], key: str, kind: str, default: object) -> object:
+    """A config field transformers lets be None: absent takes the architecture's ``default``, an
+    explicit null is None (Gemma 2's softcaps, a window)."""
+    if key in config and config[key] is None:
+        return None
+    return json_field(config, key, kind, "config.json", default)
+
+
+def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool, arch: str) -> List[int]:
     """Each layer's sliding window (0: full attention), as transformers decides it: ``layer_types``
     where the config lists them; Mistral: every layer; Qwen2: only with ``use_sliding_window``, from
-    layer ``max_window_layers`` on. A ring layer here attends keys p - window < k <= p, as transformers
-    masks. A window as wide as every context is full attention."""
+    layer ``max_window_layers`` on; Gemma 2 / 3 without a list: every other / every sixth layer full
+    (``sliding_window_pattern``). A ring layer here attends keys p - window < k <= p, as transformers
+    masks. A window as wide as every context is full attention, except in Gemma 3, whose sliding layers
+    also rotate with their own RoPE base: they stay rings."""
     where = "config.json"
-    window = json_field(config, "sliding_window", "int", where, 0)
+    default = 4096 if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else 0
+    window = stated = _hf_optional(config, "sliding_window", "int", default) or 0
     if window < 0:
         raise ValueError(f"config.json: sliding_window must be positive, got {window}")
     longest = json_field(config, "max_position_embeddings", "int", where, 0)
-    if longest > 0 and window >= longest:
+    if longest > 0 and window >= longest and arch != "Gemma3ForCausalLM":
         window = 0
     if window > MAX_WINDOW:  # a ring of that many rows is allocated per layer at run time
         raise ValueError(f"config.json: sliding_window {window} is wider than any model's context "
                          f"(at most {MAX_WINDOW}); a damaged config")
     types = json_field(config, "layer_types", "strs", where, None)
+    if types is None and default:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else json_field(config, "sliding_window_pattern", "int", where, 6)
+        if pattern < 1:
+            raise ValueError(f"config.json: sliding_window_pattern must be >= 1, got {pattern}")
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     if types is not None:
         if len(types) != n_layers:
             raise ValueError(f"config.json: layer_types must list {n_layers} layers, it lists {len(types)}")
         unknown = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
         if unknown:
             raise ValueError(f"config.json: layer type(s) {unknown} are not supported")
-        if "sliding_attention" in types and not window:
+        if "sliding_attention" in types and not stated:
             raise ValueError("config.json lists sliding_attention layers but no sliding_window")
         windows = [window if t == "sliding_attention" else 0 for t in types]
     elif qwen2:
@@ -661,16 +759,15 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool) -> Lis
     return windows if len(set(windows)) > 1 else windows[:1]
 
 
-def model_to_hf_name(key: str, fused: bool = False) -> str:
-    """The Hugging Face name of a model.py tensor (inverse of :func:`hf_to_model_names`); with ``fused``
-    (Phi-3) the fused tensor that holds it."""
+def model_to_hf_name(key: str, layout: str = "plain") -> str:
+    """The Hugging Face name of a model.py tensor (inverse of :func:`hf_to_model_names`); a fused
+    projection's part (``layout`` "fused") names the fused tensor that holds it."""
     for hf, ours in _HF_TOP_NAMES.items():
         if ours == key:
             return hf
     _, idx, rest = key.split(".", 2)
-    pairs = list((_HF_PHI3_LAYER_NAMES if fused else _HF_LAYER_NAMES).items())
-    if fused:
-        pairs += [(hf, part) for hf, parts in _HF_FUSED_LAYER_NAMES.items() for part in parts]
+    names, fused = _HF_LAYOUTS[layout]
+    pairs = list(names.items()) + [(hf, part) for hf, parts in fused.items() for part in parts]
     for hf, ours in pairs:
         if ours == rest:
             return f"model.layers.{idx}.{hf}"
@@ -690,7 +787,14 @@ def to_hf_state_dict(model: Transformer) -> Dict[str, torch.Tensor]:
 
 
 def hf_config(args: ModelArgs) -> Dict[str, object]:
-    """A transformers-style ``config.json`` for ``args`` (the inverse of :func:`hf_args`)."""
+    """A transformers-style ``config.json`` for ``args`` (the inverse of :func:`hf_args`) of the Llama
+    family; Gemma's features are refused by name rather than written as a different model."""
+    gemma = [name for name in ("norm_offset", "embed_scale", "sandwich_norms") if getattr(args, name)]
+    gemma += [name for name in ("attention_scale", "local_rope_theta", "final_logit_softcap")
+              if getattr(args, name) is not None]
+    if gemma or args.mlp_act != "silu":
+        raise ValueError(f"hf_config writes Llama-family configs; {', '.join(gemma or ['mlp_act'])} "
+                         "is Gemma's (save such a model with transformers)")
     config: Dict[str, object] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -801,13 +905,13 @@ def _check_hf_headers(config: Mapping[str, object], shapes: Mapping[Path, Mappin
     args = hf_args(config, layers_held_by(names, "model.layers."))
     check_args(args, "config.json", layers_held_by(names, "model.layers."))
     expected = _expected_shapes(args)
-    fused = hf_fuses_projections(config)
+    layout = hf_tensor_layout(config)
     for path, per_file in shapes.items():
         for name, shape in per_file.items():
             if _DERIVED.search(name):
                 continue
             parts = ["tok_embeddings.weight"] if name == "lm_head.weight" and args.tie_embeddings \
-                else hf_to_model_names(name, fused)
+                else hf_to_model_names(name, layout)
             if parts is None or any(p not in expected for p in parts):
                 raise ValueError(f"checkpoint tensor {name!r} ({path.name}) is not used by the model")
             want = _stacked_shape(parts, expected)
@@ -836,7 +940,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
     if args.tie_embeddings:
         source_names["output.weight"] = "model.embed_tokens.weight"
     lm_head: Optional[torch.Tensor] = None
-    fused = hf_fuses_projections(config)
+    layout = hf_tensor_layout(config)
     # A sane layer count before any model is built from it (the expected shapes build one on "meta").
     check_args(args, "config.json", layers_held_by((n for t in files.values() for n in t), "model.layers."))
     expected = _expected_shapes(args)
@@ -847,7 +951,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
             if name == "lm_head.weight" and args.tie_embeddings:
                 lm_head = tensor  # checked against the embedding below
                 continue
-            parts = hf_to_model_names(name, fused)
+            parts = hf_to_model_names(name, layout)
             if parts is None or (len(parts) > 1 and any(p not in expected for p in parts)):
                 raise ValueError(f"checkpoint tensor {name!r} ({f.name}) is not used by the model")
             if len(parts) > 1:  # a fused projection, split here (build_model checks every part's shape)
@@ -872,7 +976,7 @@ def load_hf(directory: "str | Path", dtype: "str | torch.dtype | None" = None) -
             state["output.weight"] = emb
             source_names["output.weight"] = "model.embed_tokens.weight"
     # Errors about missing tensors speak Hugging Face names too (the layer count was checked above).
-    source_names = {**{k: model_to_hf_name(k, fused) for k in expected}, **source_names}
+    source_names = {**{k: model_to_hf_name(k, layout) for k in expected}, **source_names}
     model, target = build_model(args, state, parse_dtype(dtype), source_names)
     stops, bos = _hf_stop_tokens(directory, config, args.vocab_size)
     return LoadedCheckpoint(

@@ -51,6 +51,22 @@ class ModelArgs:
     mlp_bias: bool = False
     # Qwen3: an RMSNorm over each head of q and of k (weights [head_dim]) before RoPE.
     qk_norm: bool = False
+    # The Gemma family's differences from Llama, each off by default:
+    # RMSNorm scales by (1 + weight), multiplied in fp32 before the cast back (Gemma's order);
+    norm_offset: bool = False
+    # the embeddings are multiplied by sqrt(dim), rounded to the weights' dtype as transformers rounds it;
+    embed_scale: bool = False
+    # the MLP's gate activation: "silu" (Llama) or "gelu_tanh" (Gemma's gelu_pytorch_tanh);
+    mlp_act: str = "silu"
+    # Gemma 2/3: the attention's and the MLP's outputs are normalised again before each residual add;
+    sandwich_norms: bool = False
+    # the softmax scale (None: 1/sqrt(head_dim); Gemma 2/3: query_pre_attn_scalar ** -0.5);
+    attention_scale: Optional[float] = None
+    # the RoPE base of sliding-window (ring) layers where it is not rope_theta (Gemma 3: 10,000 there,
+    # 1e6 on full layers); rope_scaling then applies to the full layers only;
+    local_rope_theta: Optional[float] = None
+    # logits = cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping).
+    final_logit_softcap: Optional[float] = None
     # False: logits of each step's last token only, [1, 1, vocab] (what
     # generation reads; ExecuTorch's export_llama default): a prefill chunk
     # then runs the output projection, the largest matrix of a small model, on
@@ -85,10 +101,17 @@ class ModelArgs:
         return asdict(self)
 
 
-def _rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _rope_inverse_frequencies(args: ModelArgs, local: bool = False) -> torch.Tensor:
+    """RoPE's inverse frequencies of the full layers, or with ``local`` of the sliding-window layers
+    (``local_rope_theta``, unscaled, where it is set)."""
     d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s = args.rope_scaling
+    local = local and args.local_rope_theta is not None
+    theta = args.local_rope_theta if local else args.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = None if local else args.rope_scaling
     if not s:
         return inv.float()
     rope_type = s.get("rope_type", "llama3")
@@ -115,14 +138,18 @@ def _rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        # An offset norm's identity is a zero weight (Gemma stores weight - 1).
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:  # Gemma multiplies in fp32, then casts; Llama casts, then multiplies
+            return (out * (1.0 + self.weight.float())).to(x.dtype)
         return out.to(x.dtype) * self.weight
 
 
@@ -146,9 +173,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         # Only created when used, so models without them keep their parameters and graphs.
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)
         self.qk_norm = args.qk_norm
+        self.scale = args.attention_scale if args.attention_scale is not None else 1.0 / math.sqrt(args.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -161,7 +189,7 @@ class Attention(nn.Module):
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         out = torch.ops.kvcache.update_and_attend(
-            q, k, v, input_pos, self.layer_id, 1.0 / math.sqrt(self.head_dim), x.dtype
+            q, k, v, input_pos, self.layer_id, self.scale, x.dtype
         )
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -172,9 +200,14 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=args.mlp_bias)
         self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=args.mlp_bias)
         self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=args.mlp_bias)
+        if args.mlp_act not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_act {args.mlp_act!r} is not one of {MLP_ACTIVATIONS}")
+        self.gelu = args.mlp_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(gate * self.w3(x))
 
 
 class Block(nn.Module):
@@ -182,12 +215,18 @@ class Block(nn.Module):
         super().__init__()
         self.attention = Attention(args, layer_id)
         self.feed_forward = FeedForward(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        if args.sandwich_norms:
+            self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+            self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.sandwich = args.sandwich_norms
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, input_pos)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cos, sin, input_pos)
+        h = x + (self.post_attention_norm(a) if self.sandwich else a)
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (self.post_ffn_norm(f) if self.sandwich else f)
 
 
 class Transformer(nn.Module):
@@ -199,11 +238,27 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", _rope_inverse_frequencies(args), persistent=False)
+        # Only with a local RoPE base, so other models keep their buffers and graphs.
+        if args.local_rope_theta is not None:
+            self.register_buffer("inv_freq_local", _rope_inverse_frequencies(args, local=True), persistent=False)
+        # sqrt(dim) as each weight dtype holds it (transformers multiplies by it in that dtype), taken
+        # now: a Python number under export, not a tensor created while tracing.
+        self._embed_scales = {dt: torch.tensor(math.sqrt(args.dim), dtype=dt, device="cpu").item()
+                              for dt in (torch.float32, torch.bfloat16, torch.float16)} if args.embed_scale else {}
+
+    def reset_rope(self) -> None:
+        """Recompute the RoPE frequency buffers (fp32) on the model's device (they are not weights:
+        a model built on the meta device, or cast, gets them back here)."""
+        device = self.tok_embeddings.weight.device
+        device = torch.device("cpu") if device.type == "meta" else device
+        self.inv_freq = _rope_inverse_frequencies(self.args).to(device)
+        if self.args.local_rope_theta is not None:
+            self.inv_freq_local = _rope_inverse_frequencies(self.args, local=True).to(device)
 
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         super()._apply(fn, *args, **kwargs)
@@ -212,18 +267,30 @@ class Transformer(nn.Module):
         # error that grows with the position (~0.3 rad by position 165 at the
         # highest frequency). The angles and their cos/sin are computed in fp32.
         if self.inv_freq.dtype != torch.float32:
-            self.inv_freq = _rope_inverse_frequencies(self.args).to(self.inv_freq.device)
+            self.reset_rope()
         return self
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)
-        angles = input_pos.to(torch.float32) * self.inv_freq  # [T, head_dim / 2]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        for layer in self.layers:
+        if self._embed_scales:
+            x = x * self._embed_scales.get(x.dtype, math.sqrt(self.args.dim))
+        pos = input_pos.to(torch.float32)
+        angles = pos * self.inv_freq  # [T, head_dim / 2]
+        rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        local = rope
+        if self.args.local_rope_theta is not None:
+            angles = pos * self.inv_freq_local
+            local = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        for i, layer in enumerate(self.layers):
+            cos, sin = local if self.args.window_of(i) > 0 else rope
             x = layer(x, cos, sin, input_pos)
         if not self.args.full_logits:
             x = x[:, -1:]
-        return self.output(self.norm(x)).float()
+        logits = self.output(self.norm(x))
+        cap = self.args.final_logit_softcap
+        if cap is not None:  # in the weights' dtype, as transformers caps them
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
 
 def init_deterministic(model: Transformer, seed: int = 0) -> Transformer:
@@ -232,7 +299,7 @@ def init_deterministic(model: Transformer, seed: int = 0) -> Transformer:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if model.args.norm_offset else 1.0)  # the identity norm
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / math.sqrt(p.shape[-1])))
     return model

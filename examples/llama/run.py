@@ -92,7 +92,12 @@ _MODEL_ARG_KINDS = {
     "multiple_of": "int", "ffn_dim_multiplier": "number", "norm_eps": "number", "rope_theta": "number",
     "rope_scaling": "object", "sliding_windows": "int_or_ints", "tie_embeddings": "bool", "attention_head_dim": "int",
     "qkv_bias": "bool", "out_bias": "bool", "mlp_bias": "bool", "qk_norm": "bool", "full_logits": "bool",
+    "norm_offset": "bool", "embed_scale": "bool", "mlp_act": "str", "sandwich_norms": "bool",
+    "attention_scale": "number", "local_rope_theta": "number", "final_logit_softcap": "number",
 }
+# Fields whose null means "none" (the others' null takes ModelArgs' default).
+_NULLABLE_MODEL_ARGS = ("hidden_dim", "ffn_dim_multiplier", "rope_scaling", "attention_head_dim", "attention_scale",
+                        "local_rope_theta", "final_logit_softcap")
 
 
 def model_args_from_json(values: Dict[str, object], where: str) -> ModelArgs:
@@ -106,8 +111,7 @@ def model_args_from_json(values: Dict[str, object], where: str) -> ModelArgs:
     typed = {k: json_field(values, k, kind, where, None) for k, kind in _MODEL_ARG_KINDS.items() if k in values}
     if isinstance(typed.get("sliding_windows"), int):
         raise ValueError(f"{where}: 'sliding_windows' must be a list of integers")
-    args = ModelArgs(**{k: v for k, v in typed.items() if v is not None or k in ("hidden_dim", "ffn_dim_multiplier",
-                                                                                 "rope_scaling", "attention_head_dim")})
+    args = ModelArgs(**{k: v for k, v in typed.items() if v is not None or k in _NULLABLE_MODEL_ARGS})
     check_args(args, where)
     return args
 
