@@ -374,6 +374,25 @@ def test_hf_gemma_family_gives_transformers_logits(tmp_path: Path, family: str) 
     _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 8, [6, 1, 1, 3, 1, 1])
 
 
+def test_hf_gemma_config_saying_gelu_computes_the_tanh_gelu_as_transformers_does(tmp_path: Path) -> None:
+    """gemma-2b's released config.json says hidden_act "gelu"; transformers reads that legacy value as the tanh
+    formula the model was trained with, and so does the loader."""
+    hf = _saved_transformers_model(tmp_path, "Gemma", **_GEMMA_FAMILY["Gemma"])
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    loaded = checkpoint.load_hf(tmp_path)
+    assert loaded.args.mlp_act == "gelu_tanh"
+    _eager_steps_give_transformers_logits(hf, loaded, 10, [4, 1, 2])
+
+
+def test_hf_llama_with_the_exact_gelu_gives_transformers_logits(tmp_path: Path) -> None:
+    """Outside Gemma, hidden_act "gelu" is transformers' exact erf GELU, which is not the tanh formula."""
+    hf = _saved_transformers_model(tmp_path, "Llama", hidden_act="gelu", intermediate_size=160)
+    loaded = checkpoint.load_hf(tmp_path)
+    assert loaded.args.mlp_act == "gelu"
+    _eager_steps_give_transformers_logits(hf, loaded, 11, [5, 1, 1])
+
+
 def test_hf_gemma3_config_in_transformers_4_spelling_loads_the_same_model(tmp_path: Path) -> None:
     """transformers 4.x wrote Gemma 3's RoPE as rope_theta + rope_local_base_freq + rope_scaling and often
     no layer_types (sliding_window_pattern, default 6): the same model as 5.x's nested rope_parameters."""

@@ -595,6 +595,10 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     act = json_field(config, act_key, "str", where, "gelu_pytorch_tanh" if gemma else "silu")
     if act not in _HF_ACTIVATIONS:
         raise ValueError(f"config.json {act_key} {act!r} is not supported (only {', '.join(_HF_ACTIVATIONS)})")
+    if arch == "GemmaForCausalLM" and act == "gelu":
+        # gemma-2b/7b's released configs say "gelu" but were trained with the tanh formula; transformers
+        # computes tanh from it (its GemmaConfig rewrites the value), so the same weights give the same logits.
+        act = "gelu_pytorch_tanh"
     dim = _number(config, "hidden_size", where)
     n_heads = _number(config, "num_attention_heads", where)
     if n_heads <= 0 or dim <= 0:

@@ -56,7 +56,7 @@ class ModelArgs:
     norm_offset: bool = False
     # the embeddings are multiplied by sqrt(dim), rounded to the weights' dtype as transformers rounds it;
     embed_scale: bool = False
-    # the MLP's gate activation: "silu" (Llama) or "gelu_tanh" (Gemma's gelu_pytorch_tanh);
+    # the MLP's gate activation: "silu" (Llama), "gelu" (exact erf) or "gelu_tanh" (Gemma's gelu_pytorch_tanh);
     mlp_act: str = "silu"
     # Gemma 2/3: the attention's and the MLP's outputs are normalised again before each residual add;
     sandwich_norms: bool = False
@@ -101,7 +101,7 @@ class ModelArgs:
         return asdict(self)
 
 
-MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+MLP_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 def _rope_inverse_frequencies(args: ModelArgs, local: bool = False) -> torch.Tensor:
@@ -202,11 +202,14 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=args.mlp_bias)
         if args.mlp_act not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_act {args.mlp_act!r} is not one of {MLP_ACTIVATIONS}")
-        self.gelu = args.mlp_act == "gelu_tanh"
+        self.act = args.mlp_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        if self.act == "silu":
+            gate = F.silu(gate)
+        else:
+            gate = F.gelu(gate, approximate="tanh" if self.act == "gelu_tanh" else "none")
         return self.w2(gate * self.w3(x))
 
 
