@@ -393,6 +393,78 @@ def test_hf_llama_with_the_exact_gelu_gives_transformers_logits(tmp_path: Path) 
     _eager_steps_give_transformers_logits(hf, loaded, 11, [5, 1, 1])
 
 
+def test_hf_granite_multipliers_give_transformers_logits(tmp_path: Path) -> None:
+    """Granite's embedding, residual and attention multipliers and its logits divisor (none of them the
+    Llama value; the attention's is not 1/sqrt(head_dim)), with MLP biases: transformers' logits."""
+    hf = _saved_transformers_model(tmp_path, "Granite", embedding_multiplier=3.0, residual_multiplier=0.4,
+                                   attention_multiplier=0.05, logits_scaling=2.5, mlp_bias=True, sliding_window=3)
+    args = checkpoint.load_hf(tmp_path).args
+    assert (args.embedding_multiplier, args.residual_multiplier, args.logits_scaling, args.attention_scale) == \
+        (3.0, 0.4, 2.5, 0.05)
+    assert args.mlp_bias and args.sliding_windows == [0]  # Granite's attention reads no window
+    _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 12, [6, 1, 1, 2])
+
+
+# SmolLM3's default special tokens (128,000 on) are past _HF_SMALL's vocabulary.
+_SMOLLM3_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.mark.parametrize("config,nope,windows", [
+    (dict(no_rope_layer_interval=2), [1, 3], [0]),
+    (dict(no_rope_layers=[0, 1, 1, 0], use_sliding_window=True, sliding_window=3), [0, 3], [3, 0, 0, 3]),
+    (dict(no_rope_layers=[0, 1, 1, 0], use_sliding_window=True, sliding_window=3, layer_types=None), [0, 3],
+     [3, 0, 0, 3]),
+    (dict(no_rope_layer_interval=2, use_sliding_window=False, sliding_window=3), [1, 3], [0]),
+], ids=["nope-every-2nd", "listed-nope-sliding", "sliding-layers-unlisted", "window-off"])
+def test_hf_smollm3_nope_layers_give_transformers_logits(tmp_path: Path, config: Dict[str, object],
+                                                         nope: List[int], windows: List[int]) -> None:
+    """SmolLM3's layers without RoPE (from its interval, or listed, 0 = NoPE), and sliding windows on
+    them where the config turns them on: transformers' logits, stepped past the window."""
+    hf = _saved_transformers_model(tmp_path, "SmolLM3", num_hidden_layers=4, max_position_embeddings=256,
+                                   **_SMOLLM3_TOKENS, **{k: v for k, v in config.items() if k != "layer_types"})
+    if "layer_types" in config:  # a config.json without the list (transformers derives it from the NoPE layers)
+        saved = json.loads((tmp_path / "config.json").read_text())
+        saved.pop("layer_types")
+        (tmp_path / "config.json").write_text(json.dumps(saved))
+    args = checkpoint.load_hf(tmp_path).args
+    assert args.nope_layers == nope and args.tie_embeddings
+    assert [args.window_of(i) for i in range(4)] == (windows * 4 if len(windows) == 1 else windows)
+    _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 13, [5, 1, 1, 3, 1])
+
+
+def test_hf_olmo2_output_norms_and_full_width_qk_norms_give_transformers_logits(tmp_path: Path) -> None:
+    """OLMo 2 normalises each sublayer's output (no input norms), q and k over all their heads at once before
+    the split, and multiplies norm weights in fp32: transformers' logits in fp32, and close in bf16."""
+    hf = _saved_transformers_model(tmp_path, "Olmo2", pad_token_id=0, eos_token_id=1)
+    args = checkpoint.load_hf(tmp_path).args
+    assert args.qk_norm and args.qk_norm_full and args.sandwich_norms and not args.pre_norms
+    model = checkpoint.load_hf(tmp_path).model
+    assert model.layers[0].attention.q_norm.weight.shape == (64,) and model.layers[0].attention.k_norm.weight.shape == (32,)
+    _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 14, [5, 1, 2, 1])
+    tokens = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        expected = hf.to(torch.bfloat16)(tokens, use_cache=False).logits.float()
+    got = eager_steps(checkpoint.load_hf(tmp_path, dtype="bf16").model, tokens, [9])
+    # bf16 rounds the attention differently from transformers' kernels: agreement to bf16's precision.
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family,update,named", [
+    ("SmolLM3", {"no_rope_layers": [1, 2]}, r"no_rope_layers must list 0 or 1 for each of the 2 layers, got \[1, 2\]"),
+    ("SmolLM3", {"no_rope_layers": [1]}, r"no_rope_layers must list 0 or 1 for each of the 2 layers"),
+    ("Granite", {"logits_scaling": 0}, r"logits_scaling must be a finite number > 0, got 0"),
+    ("Granite", {"attention_multiplier": -1.0}, r"attention_multiplier must be a finite number > 0"),
+    ("Granite", {"residual_multiplier": "0.2"}, r"'residual_multiplier' must be a number, got '0.2'"),
+])
+def test_granite_and_smollm3_config_fields_that_cannot_be_a_model_are_named(
+        tmp_path: Path, family: str, update: Dict[str, object], named: str) -> None:
+    _saved_transformers_model(tmp_path, family, **(_SMOLLM3_TOKENS if family == "SmolLM3" else {}))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **update}))
+    with pytest.raises(ValueError, match=named):
+        checkpoint.load_hf(tmp_path)
+
+
 def test_hf_gemma3_config_in_transformers_4_spelling_loads_the_same_model(tmp_path: Path) -> None:
     """transformers 4.x wrote Gemma 3's RoPE as rope_theta + rope_local_base_freq + rope_scaling and often
     no layer_types (sliding_window_pattern, default 6): the same model as 5.x's nested rope_parameters."""
@@ -889,6 +961,37 @@ def test_gemma3_checkpoint_exported_from_its_directory_gives_transformers_logits
     assert run.model_args_from_json(side, "sidecar") == \
         dataclasses.replace(checkpoint.load_hf(tmp_path / "ckpt").args, full_logits=side["full_logits"])
     _runs_like_transformers(out, hf, seed=8)
+
+
+# Families exported from their directories: what each adds to the lowered graph, and what its sidecar holds.
+_EXPORTED_FAMILIES = {
+    # NoPE layers that are also sliding-window rings, the others flat with RoPE; tied embeddings.
+    "SmolLM3": (dict(num_hidden_layers=3, max_position_embeddings=256, no_rope_layers=[1, 0, 1],
+                     use_sliding_window=True, sliding_window=4, **_SMOLLM3_TOKENS),
+                {"nope_layers": [1], "sliding_windows": [0, 4, 0]}),
+    # Output norms only, q/k norms over whole projections.
+    "Olmo2": (dict(pad_token_id=0, eos_token_id=1), {"pre_norms": False, "qk_norm_full": True}),
+    # Multipliers on the embeddings, residuals, softmax and logits.
+    "Granite": (dict(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.05, logits_scaling=2.5),
+                {"logits_scaling": 2.5, "attention_scale": 0.05}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_EXPORTED_FAMILIES))
+def test_checkpoint_of_another_family_exported_from_its_directory_gives_transformers_logits(tmp_path: Path,
+                                                                                           family: str) -> None:
+    """A Hugging Face directory of each family through export.py --hf-dir and the ExecuTorch runtime:
+    transformers' logits across a window and a growth; the sidecar reads back as the same model."""
+    config, in_sidecar = _EXPORTED_FAMILIES[family]
+    hf = _saved_transformers_model(tmp_path / "ckpt", family, seed=5, **config)
+    out = tmp_path / f"{family}.pte"
+    assert export.main(["--hf-dir", str(tmp_path / "ckpt"), "--out", str(out), "--dtype", "fp32",
+                        "--storage-dtype", "fp32", "--max-write", "16", "--quiet"]) == 0
+    side = json.loads(export.sidecar_path(out).read_text())["model_args"]
+    assert {k: side[k] for k in in_sidecar} == in_sidecar
+    assert run.model_args_from_json(side, "sidecar") == \
+        dataclasses.replace(checkpoint.load_hf(tmp_path / "ckpt").args, full_logits=side["full_logits"])
+    _runs_like_transformers(out, hf, seed=9)
 
 
 def test_qwen3_checkpoint_exported_from_its_directory_gives_transformers_logits(tmp_path: Path) -> None:

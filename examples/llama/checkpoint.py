@@ -31,10 +31,14 @@ from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 # GELU gate; Gemma 2 adds a norm after each sublayer and its own softmax scale (and RoPE bases per
 # layer kind in Gemma 3, with Qwen3's q/k norms).
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                              "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                              "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                              "GraniteForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM")
 _HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
+                   "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+# The architectures whose MLP reads config.json's mlp_bias (Mistral's and Qwen's have none whatever it says).
+_HF_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 _GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' ACT2FN names of the MLP gates model.py computes ("gelu_new" is the tanh formula too).
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
@@ -166,10 +170,20 @@ def check_args(args: ModelArgs, where: str, layers_held: Optional[int] = None) -
         raise ValueError(f"{where}: {args.n_heads} query heads is not a multiple of {args.n_kv_heads} KV heads")
     if not (math.isfinite(args.rope_theta) and args.rope_theta > 0):
         raise ValueError(f"{where}: the RoPE base (rope_theta) must be a finite number > 0, got {args.rope_theta}")
-    for name in ("attention_scale", "local_rope_theta", "final_logit_softcap"):
+    for name in ("attention_scale", "local_rope_theta", "final_logit_softcap", "logits_scaling"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{where}: {name} must be a finite number > 0 (or absent), got {value}")
+    for name in ("embedding_multiplier", "residual_multiplier"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{where}: {name} must be a finite number (or absent), got {value}")
+    if args.qk_norm_full and not args.qk_norm:
+        raise ValueError(f"{where}: qk_norm_full says how the q/k norms normalise, but qk_norm is off")
+    bad = sorted({i for i in args.nope_layers if not 0 <= i < args.n_layers})
+    if bad or len(set(args.nope_layers)) != len(args.nope_layers):
+        raise ValueError(f"{where}: nope_layers must list distinct layer indices in [0, {args.n_layers}), "
+                         f"got {args.nope_layers}")
     if args.mlp_act not in MLP_ACTIVATIONS:
         raise ValueError(f"{where}: mlp_act {args.mlp_act!r} is not one of {', '.join(MLP_ACTIVATIONS)}")
     if not (math.isfinite(args.norm_eps) and args.norm_eps >= 0):
@@ -506,11 +520,17 @@ _HF_SANDWICH_LAYER_NAMES = {**_HF_LAYER_NAMES,
                             "post_attention_layernorm.weight": "post_attention_norm.weight",
                             "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                             "post_feedforward_layernorm.weight": "post_ffn_norm.weight"}
+# OLMo 2 normalises only each sublayer's output: its post_attention_layernorm is that norm too, and it has
+# no input norms.
+_HF_POST_LAYER_NAMES = {**{k: v for k, v in _HF_LAYER_NAMES.items() if "layernorm" not in k},
+                        "post_attention_layernorm.weight": "post_attention_norm.weight",
+                        "post_feedforward_layernorm.weight": "post_ffn_norm.weight"}
 # How an architecture names its per-layer tensors: (one-to-one names, fused tensors' parts).
 _HF_LAYOUTS: Dict[str, Tuple[Mapping[str, str], Mapping[str, Tuple[str, ...]]]] = {
     "plain": (_HF_LAYER_NAMES, {}),
     "fused": (_HF_PHI3_LAYER_NAMES, _HF_FUSED_LAYER_NAMES),
     "sandwich": (_HF_SANDWICH_LAYER_NAMES, {}),
+    "post": (_HF_POST_LAYER_NAMES, {}),
 }
 
 
@@ -539,10 +559,12 @@ def hf_architectures(config: Mapping[str, object]) -> List[str]:
 
 def hf_tensor_layout(config: Mapping[str, object]) -> str:
     """How the checkpoint's architecture names its layer tensors: "fused" (Phi-3's fused projections),
-    "sandwich" (Gemma 2/3's four norms per block) or "plain" (Llama's)."""
+    "sandwich" (Gemma 2/3's four norms per block), "post" (OLMo 2's output norms only) or "plain" (Llama's)."""
     arch = hf_architectures(config)[0]
     if arch == "Phi3ForCausalLM":
         return "fused"
+    if arch == "Olmo2ForCausalLM":
+        return "post"
     return "sandwich" if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else "plain"
 
 
@@ -572,24 +594,29 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     arch = archs[0]
     gemma = arch in _GEMMA
     sandwich = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    olmo2 = arch == "Olmo2ForCausalLM"
     if config.get("quantization_config"):
         method = dict(config["quantization_config"]).get("quant_method", "?") \
             if isinstance(config["quantization_config"], dict) else "?"
         raise ValueError(f"config.json has a quantization_config ({method}): quantized checkpoints are not read "
                          "(load the float checkpoint; export.py --quantize quantizes it)")
-    # Only Llama's config reads mlp_bias; transformers' Mistral/Qwen MLPs have no biases whatever it says,
-    # so honouring it there would load a different model than transformers does.
+    # Honouring mlp_bias where transformers' MLP has no biases would load a different model than it does.
     mlp_bias = json_field(config, "mlp_bias", "bool", where, False)
-    if mlp_bias and archs != ["LlamaForCausalLM"]:
+    if mlp_bias and arch not in _HF_MLP_BIAS:
         raise ValueError(f"config.json sets mlp_bias=true, which {', '.join(archs)} does not read "
-                         "(only LlamaForCausalLM's MLP has biases)")
+                         f"(only {', '.join(_HF_MLP_BIAS)}'s MLPs have biases)")
     n_layers = _number(config, "num_hidden_layers", where)
     if layers_held is not None and n_layers > layers_held:  # a damaged count listed a window per layer (GBs)
         raise ValueError(f"{where} states {n_layers} layers, its tensors hold only {layers_held}")
     if json_field(config, "use_bidirectional_attention", "bool", where, False):
         raise ValueError("config.json sets use_bidirectional_attention: a bidirectional encoder, not a decoder")
-    # Qwen3 decides its sliding layers as Qwen2 does.
-    windows = _hf_windows(config, n_layers, qwen2 or qwen3, arch)
+    nope: List[int] = []
+    if arch == "SmolLM3ForCausalLM":
+        nope, windows = _smollm3_layers(config, n_layers)
+    elif arch in ("GraniteForCausalLM", "Olmo2ForCausalLM"):
+        windows = [0]  # their attention reads no sliding_window
+    else:  # Qwen3 decides its sliding layers as Qwen2 does
+        windows = _hf_windows(config, n_layers, qwen2 or qwen3, arch)
     # Gemma 2/3's MLPs read hidden_activation, Gemma's (as every other here) hidden_act.
     act_key = "hidden_activation" if sandwich else "hidden_act"
     act = json_field(config, act_key, "str", where, "gelu_pytorch_tanh" if gemma else "silu")
@@ -651,6 +678,9 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
                          f"(only {', '.join(repr(t) for t in _HF_ROPE_TYPES)})")
     attention_bias = json_field(config, "attention_bias", "bool", where, False)
     scale, final_cap = _gemma_scales(config, arch) if sandwich else (None, None)
+    multipliers: Dict[str, Optional[float]] = {}
+    if arch == "GraniteForCausalLM":
+        scale, multipliers = _granite_multipliers(config)
     return ModelArgs(
         dim=dim,
         n_layers=n_layers,
@@ -661,20 +691,26 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
         norm_eps=_number(config, "rms_norm_eps", where, float, default=1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_embeddings=json_field(config, "tie_word_embeddings", "bool", where, gemma),
+        tie_embeddings=json_field(config, "tie_word_embeddings", "bool", where,
+                                  gemma or arch == "SmolLM3ForCausalLM"),
         attention_head_dim=head_dim if head_dim is not None and head_dim * n_heads != dim else None,
         sliding_windows=windows,
         qkv_bias=qwen2 or attention_bias,
         out_bias=attention_bias,
         mlp_bias=mlp_bias,
-        qk_norm=qwen3 or arch == "Gemma3ForCausalLM",
+        qk_norm=qwen3 or arch in ("Gemma3ForCausalLM", "Olmo2ForCausalLM"),
+        qk_norm_full=olmo2,
+        pre_norms=not olmo2,
+        norm_fp32_weight=olmo2,
         norm_offset=gemma,
         embed_scale=gemma,
         mlp_act=_HF_ACTIVATIONS[act],
-        sandwich_norms=sandwich,
+        sandwich_norms=sandwich or olmo2,
         attention_scale=scale,
         local_rope_theta=local_theta,
         final_logit_softcap=final_cap,
+        nope_layers=nope,
+        **multipliers,
     )
 
 
@@ -708,6 +744,49 @@ def _gemma_scales(config: Mapping[str, object], arch: str) -> Tuple[float, Optio
     if not (math.isfinite(scalar) and scalar > 0):
         raise ValueError(f"config.json: query_pre_attn_scalar must be a finite number > 0, got {scalar}")
     return scalar ** -0.5, _hf_optional(config, "final_logit_softcapping", "number", 30.0 if gemma2 else None)
+
+
+def _granite_multipliers(config: Mapping[str, object]) -> Tuple[float, Dict[str, Optional[float]]]:
+    """Granite's softmax scale (attention_multiplier, default 1: not 1/sqrt(head_dim)) and its
+    embedding / residual / logits multipliers as ModelArgs fields (a multiplier of 1 computes nothing)."""
+    where = "config.json"
+    scale = json_field(config, "attention_multiplier", "number", where, 1.0)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"config.json: attention_multiplier must be a finite number > 0, got {scale}")
+    out: Dict[str, Optional[float]] = {}
+    for key, field_name in (("embedding_multiplier", "embedding_multiplier"),
+                            ("residual_multiplier", "residual_multiplier"), ("logits_scaling", "logits_scaling")):
+        value = json_field(config, key, "number", where, 1.0)
+        if not math.isfinite(value) or (key == "logits_scaling" and value <= 0):
+            raise ValueError(f"config.json: {key} must be a finite number{' > 0' if key == 'logits_scaling' else ''}, "
+                             f"got {value}")
+        out[field_name] = None if value == 1 else float(value)
+    return scale, out
+
+
+def _smollm3_layers(config: Mapping[str, object], n_layers: int) -> Tuple[List[int], List[int]]:
+    """SmolLM3's NoPE layers and windows, as transformers decides them: ``no_rope_layers`` holds 1 for a
+    layer that rotates and 0 for one that does not (absent: every ``no_rope_layer_interval``-th layer is
+    NoPE); a layer slides only with ``use_sliding_window``, where ``layer_types`` says so (absent: the
+    NoPE layers, if a sliding_window is given)."""
+    where = "config.json"
+    mask = json_field(config, "no_rope_layers", "int_or_ints", where, None)
+    if mask is None:
+        interval = json_field(config, "no_rope_layer_interval", "int", where, 4)
+        if interval < 1:
+            raise ValueError(f"config.json: no_rope_layer_interval must be >= 1, got {interval}")
+        mask = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if isinstance(mask, int) or len(mask) != n_layers or any(m not in (0, 1) for m in mask):
+        shown = mask if isinstance(mask, int) or len(mask) <= 16 else f"a list of {len(mask)}"
+        raise ValueError(f"config.json: no_rope_layers must list 0 or 1 for each of the {n_layers} layers, "
+                         f"got {shown}")
+    nope = [i for i, m in enumerate(mask) if not m]
+    if not json_field(config, "use_sliding_window", "bool", where, False):
+        return nope, [0]
+    if json_field(config, "layer_types", "strs", where, None) is None \
+            and _hf_optional(config, "sliding_window", "int", None) is not None:
+        config = {**config, "layer_types": ["full_attention" if m else "sliding_attention" for m in mask]}
+    return nope, _hf_windows(config, n_layers, False, "SmolLM3ForCausalLM")
 
 
 def _hf_optional(config: Mapping[str, object], key: str, kind: str, default: object) -> object:
@@ -792,13 +871,15 @@ def to_hf_state_dict(model: Transformer) -> Dict[str, torch.Tensor]:
 
 def hf_config(args: ModelArgs) -> Dict[str, object]:
     """A transformers-style ``config.json`` for ``args`` (the inverse of :func:`hf_args`) of the Llama
-    family; Gemma's features are refused by name rather than written as a different model."""
-    gemma = [name for name in ("norm_offset", "embed_scale", "sandwich_norms") if getattr(args, name)]
-    gemma += [name for name in ("attention_scale", "local_rope_theta", "final_logit_softcap")
-              if getattr(args, name) is not None]
-    if gemma or args.mlp_act != "silu":
-        raise ValueError(f"hf_config writes Llama-family configs; {', '.join(gemma or ['mlp_act'])} "
-                         "is Gemma's (save such a model with transformers)")
+    family; other families' features are refused by name rather than written as a different model."""
+    foreign = [name for name in ("norm_offset", "embed_scale", "sandwich_norms", "nope_layers", "qk_norm_full",
+                                 "norm_fp32_weight") if getattr(args, name)]
+    foreign += [] if args.pre_norms else ["pre_norms"]
+    foreign += [name for name in ("attention_scale", "local_rope_theta", "final_logit_softcap", "embedding_multiplier",
+                                  "residual_multiplier", "logits_scaling") if getattr(args, name) is not None]
+    if foreign or args.mlp_act != "silu":
+        raise ValueError(f"hf_config writes Llama-family configs; {', '.join(foreign or ['mlp_act'])} belongs to "
+                         "another family (Gemma, Granite, SmolLM3, OLMo 2: save such a model with transformers)")
     config: Dict[str, object] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

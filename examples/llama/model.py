@@ -49,8 +49,17 @@ class ModelArgs:
     out_bias: bool = False
     # Biases of the MLP's gate/up/down projections (Llama's mlp_bias).
     mlp_bias: bool = False
-    # Qwen3: an RMSNorm over each head of q and of k (weights [head_dim]) before RoPE.
+    # Qwen3: an RMSNorm over each head of q and of k (weights [head_dim]) before RoPE;
     qk_norm: bool = False
+    # with qk_norm_full, one RMSNorm over all of q's heads and one over all of k's (OLMo 2: weights
+    # [n_heads * head_dim] and [n_kv_heads * head_dim]), on the projections as they come out.
+    qk_norm_full: bool = False
+    # False: no norm before the attention and the MLP (OLMo 2 normalises only their outputs, with
+    # sandwich_norms); Llama's blocks normalise their inputs.
+    pre_norms: bool = True
+    # The RMSNorm weight multiplies in fp32 before the cast back to the input's dtype (OLMo 2's order,
+    # and Gemma's with norm_offset); Llama casts, then multiplies.
+    norm_fp32_weight: bool = False
     # The Gemma family's differences from Llama, each off by default:
     # RMSNorm scales by (1 + weight), multiplied in fp32 before the cast back (Gemma's order);
     norm_offset: bool = False
@@ -67,6 +76,15 @@ class ModelArgs:
     local_rope_theta: Optional[float] = None
     # logits = cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping).
     final_logit_softcap: Optional[float] = None
+    # Granite's multipliers (None: none): the embeddings times embedding_multiplier, each sublayer's
+    # output times residual_multiplier before its residual add, the logits divided by logits_scaling,
+    # each in the weights' dtype with a Python number, as transformers computes them.
+    embedding_multiplier: Optional[float] = None
+    residual_multiplier: Optional[float] = None
+    logits_scaling: Optional[float] = None
+    # SmolLM3's NoPE layers: these layer indices rotate neither q nor k (position reaches them only
+    # through the causal order the cache keeps).
+    nope_layers: List[int] = field(default_factory=list)
     # False: logits of each step's last token only, [1, 1, vocab] (what
     # generation reads; ExecuTorch's export_llama default): a prefill chunk
     # then runs the output projection, the largest matrix of a small model, on
@@ -138,18 +156,24 @@ def _rope_inverse_frequencies(args: ModelArgs, local: bool = False) -> torch.Ten
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False, fp32_weight: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.offset = offset
+        self.fp32_weight = fp32_weight or offset
         # An offset norm's identity is a zero weight (Gemma stores weight - 1).
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    @classmethod
+    def of(cls, args: ModelArgs, dim: int) -> "RMSNorm":
+        """The norm ``args``' family computes, over ``dim`` features."""
+        return cls(dim, args.norm_eps, args.norm_offset, args.norm_fp32_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:  # Gemma multiplies in fp32, then casts; Llama casts, then multiplies
-            return (out * (1.0 + self.weight.float())).to(x.dtype)
+        if self.fp32_weight:  # Gemma / OLMo 2 multiply in fp32, then cast; Llama casts, then multiplies
+            return (out * ((1.0 + self.weight.float()) if self.offset else self.weight.float())).to(x.dtype)
         return out.to(x.dtype) * self.weight
 
 
@@ -173,21 +197,28 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.out_bias)
         # Only created when used, so models without them keep their parameters and graphs.
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset)
-        self.qk_norm = args.qk_norm
+            full = args.qk_norm_full
+            self.q_norm = RMSNorm.of(args, args.head_dim * (args.n_heads if full else 1))
+            self.k_norm = RMSNorm.of(args, args.head_dim * (args.n_kv_heads if full else 1))
+        # "head": per head, after the split (Qwen3); "full": over the whole projection, before it (OLMo 2).
+        self.qk_norm = ("full" if args.qk_norm_full else "head") if args.qk_norm else None
         self.scale = args.attention_scale if args.attention_scale is not None else 1.0 / math.sqrt(args.head_dim)
+        self.rope = layer_id not in args.nope_layers
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.wq(x), self.wk(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.qk_norm:  # over head_dim, per head and token; before RoPE, as Qwen3 normalises
+        if self.qk_norm == "head":  # over head_dim, per head and token; before RoPE, as Qwen3 normalises
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = _rotate(q, cos, sin)
-        k = _rotate(k, cos, sin)
+        if self.rope:
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
         out = torch.ops.kvcache.update_and_attend(
             q, k, v, input_pos, self.layer_id, self.scale, x.dtype
         )
@@ -218,18 +249,26 @@ class Block(nn.Module):
         super().__init__()
         self.attention = Attention(args, layer_id)
         self.feed_forward = FeedForward(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        # Only the norms the family has are created, so each checkpoint's tensors map one to one.
+        if args.pre_norms:
+            self.attention_norm = RMSNorm.of(args, args.dim)
+            self.ffn_norm = RMSNorm.of(args, args.dim)
         if args.sandwich_norms:
-            self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-            self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+            self.post_attention_norm = RMSNorm.of(args, args.dim)
+            self.post_ffn_norm = RMSNorm.of(args, args.dim)
+        self.pre = args.pre_norms
         self.sandwich = args.sandwich_norms
+        self.residual_multiplier = args.residual_multiplier
+
+    def _to_residual(self, out: torch.Tensor, post_norm: str) -> torch.Tensor:
+        if self.sandwich:
+            out = getattr(self, post_norm)(out)
+        return out if self.residual_multiplier is None else out * self.residual_multiplier
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        a = self.attention(self.attention_norm(x), cos, sin, input_pos)
-        h = x + (self.post_attention_norm(a) if self.sandwich else a)
-        f = self.feed_forward(self.ffn_norm(h))
-        return h + (self.post_ffn_norm(f) if self.sandwich else f)
+        a = self.attention(self.attention_norm(x) if self.pre else x, cos, sin, input_pos)
+        h = x + self._to_residual(a, "post_attention_norm")
+        return h + self._to_residual(self.feed_forward(self.ffn_norm(h) if self.pre else h), "post_ffn_norm")
 
 
 class Transformer(nn.Module):
@@ -241,7 +280,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.norm = RMSNorm.of(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -277,6 +316,8 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)
         if self._embed_scales:
             x = x * self._embed_scales.get(x.dtype, math.sqrt(self.args.dim))
+        if self.args.embedding_multiplier is not None:
+            x = x * self.args.embedding_multiplier
         pos = input_pos.to(torch.float32)
         angles = pos * self.inv_freq  # [T, head_dim / 2]
         rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
@@ -290,6 +331,8 @@ class Transformer(nn.Module):
         if not self.args.full_logits:
             x = x[:, -1:]
         logits = self.output(self.norm(x))
+        if self.args.logits_scaling is not None:
+            logits = logits / self.args.logits_scaling
         cap = self.args.final_logit_softcap
         if cap is not None:  # in the weights' dtype, as transformers caps them
             logits = torch.tanh(logits / cap) * cap

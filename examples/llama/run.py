@@ -94,10 +94,13 @@ _MODEL_ARG_KINDS = {
     "qkv_bias": "bool", "out_bias": "bool", "mlp_bias": "bool", "qk_norm": "bool", "full_logits": "bool",
     "norm_offset": "bool", "embed_scale": "bool", "mlp_act": "str", "sandwich_norms": "bool",
     "attention_scale": "number", "local_rope_theta": "number", "final_logit_softcap": "number",
+    "embedding_multiplier": "number", "residual_multiplier": "number", "logits_scaling": "number",
+    "nope_layers": "int_or_ints", "qk_norm_full": "bool", "pre_norms": "bool", "norm_fp32_weight": "bool",
 }
 # Fields whose null means "none" (the others' null takes ModelArgs' default).
 _NULLABLE_MODEL_ARGS = ("hidden_dim", "ffn_dim_multiplier", "rope_scaling", "attention_head_dim", "attention_scale",
-                        "local_rope_theta", "final_logit_softcap")
+                        "local_rope_theta", "final_logit_softcap", "embedding_multiplier",
+                        "residual_multiplier", "logits_scaling")
 
 
 def model_args_from_json(values: Dict[str, object], where: str) -> ModelArgs:
@@ -109,8 +112,9 @@ def model_args_from_json(values: Dict[str, object], where: str) -> ModelArgs:
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {unknown}")
     typed = {k: json_field(values, k, kind, where, None) for k, kind in _MODEL_ARG_KINDS.items() if k in values}
-    if isinstance(typed.get("sliding_windows"), int):
-        raise ValueError(f"{where}: 'sliding_windows' must be a list of integers")
+    for key in ("sliding_windows", "nope_layers"):
+        if isinstance(typed.get(key), int):
+            raise ValueError(f"{where}: {key!r} must be a list of integers")
     args = ModelArgs(**{k: v for k, v in typed.items() if v is not None or k in _NULLABLE_MODEL_ARGS})
     check_args(args, where)
     return args
