@@ -449,6 +449,41 @@ def test_hf_olmo2_output_norms_and_full_width_qk_norms_give_transformers_logits(
     torch.testing.assert_close(got, expected, atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("spelling", ["transformers-5", "transformers-4"])
+def test_hf_olmo3_sliding_layers_and_rope_per_layer_kind_give_transformers_logits(tmp_path: Path,
+                                                                                 spelling: str) -> None:
+    """OLMo 3 is OLMo 2 with every fourth layer full and the others sliding, each kind with its own RoPE
+    (linear scaling on the full layers only); 4.x configs gave rope_theta + rope_scaling for the full
+    layers, and the sliding ones took the default base."""
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0}}
+    hf = _saved_transformers_model(tmp_path, "Olmo3", num_hidden_layers=5, sliding_window=3, rope_parameters=rope,
+                                   pad_token_id=0, eos_token_id=1)
+    if spelling == "transformers-4":
+        config = json.loads((tmp_path / "config.json").read_text())
+        config.pop("rope_parameters")
+        config.pop("layer_types")
+        config.update(rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    args = checkpoint.load_hf(tmp_path).args
+    assert [args.window_of(i) for i in range(5)] == [3, 3, 3, 0, 3]
+    assert (args.rope_theta, args.local_rope_theta, args.rope_scaling) == \
+        (1000.0, 500000.0, {"rope_type": "linear", "factor": 4.0})
+    _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 16, [6, 1, 1, 2, 1])
+
+
+def test_hf_rope_base_absent_from_the_config_is_the_familys_default(tmp_path: Path) -> None:
+    """transformers' configs default the RoPE base per family (SmolLM3: 2e6): a config without one
+    loads the same model transformers builds from it."""
+    hf = _saved_transformers_model(tmp_path, "SmolLM3", **_SMOLLM3_TOKENS)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 2e6
+    config.pop("rope_parameters")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert checkpoint.load_hf(tmp_path).args.rope_theta == 2e6
+    _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 17, [4, 1])
+
+
 @pytest.mark.parametrize("family,update,named", [
     ("SmolLM3", {"no_rope_layers": [1, 2]}, r"no_rope_layers must list 0 or 1 for each of the 2 layers, got \[1, 2\]"),
     ("SmolLM3", {"no_rope_layers": [1]}, r"no_rope_layers must list 0 or 1 for each of the 2 layers"),

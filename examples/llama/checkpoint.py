@@ -32,11 +32,17 @@ from offgraph_kv.schemas.manifest import dtype_from_name, dtype_short_name
 # layer kind in Gemma 3, with Qwen3's q/k norms).
 SUPPORTED_HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                               "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                              "GraniteForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM")
+                              "GraniteForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 _HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "granite": "GraniteForCausalLM",
-                   "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+                   "smollm3": "SmolLM3ForCausalLM", "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}
+_OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# The RoPE base transformers takes when a config states none (its configs' default_theta; 10,000 elsewhere).
+_HF_DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1e6, "SmolLM3ForCausalLM": 2e6, "Olmo3ForCausalLM": 5e5}
+# Architectures with RoPE parameters per layer kind (full / sliding): (the 4.x field of the sliding
+# layers' base, or None where the full layers' default is theirs too, that default).
+_HF_ROPE_PER_KIND = {"Gemma3ForCausalLM": ("rope_local_base_freq", 10000.0), "Olmo3ForCausalLM": (None, 5e5)}
 # The architectures whose MLP reads config.json's mlp_bias (Mistral's and Qwen's have none whatever it says).
 _HF_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 _GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -563,7 +569,7 @@ def hf_tensor_layout(config: Mapping[str, object]) -> str:
     arch = hf_architectures(config)[0]
     if arch == "Phi3ForCausalLM":
         return "fused"
-    if arch == "Olmo2ForCausalLM":
+    if arch in _OLMO:
         return "post"
     return "sandwich" if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else "plain"
 
@@ -594,7 +600,7 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     arch = archs[0]
     gemma = arch in _GEMMA
     sandwich = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-    olmo2 = arch == "Olmo2ForCausalLM"
+    olmo = arch in _OLMO
     if config.get("quantization_config"):
         method = dict(config["quantization_config"]).get("quant_method", "?") \
             if isinstance(config["quantization_config"], dict) else "?"
@@ -645,11 +651,10 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     rope = dict(json_field(config, rope_key, "object", where, {}))
     rope_where = f"config.json {rope_key}"
     local_theta = None
-    if arch == "Gemma3ForCausalLM":
-        rope, rope_where, local_theta = _gemma3_rope(config, rope, rope_key)
+    if arch in _HF_ROPE_PER_KIND:
+        rope, rope_where, local_theta = _rope_per_layer_kind(config, rope, rope_key, arch)
     theta = json_field(rope, "rope_theta", "number", rope_where,
-                       json_field(config, "rope_theta", "number", where,
-                                  1e6 if arch == "Gemma3ForCausalLM" else 10000.0))
+                       json_field(config, "rope_theta", "number", where, _HF_DEFAULT_ROPE_THETA.get(arch, 10000.0)))
     rope_type = json_field(rope, "rope_type", "str", rope_where, json_field(rope, "type", "str", rope_where, "default"))
     # A partial rotation (RoPE on some head dims only) is not what model.py rotates.
     for key, value in (("partial_rotary_factor", json_field(config, "partial_rotary_factor", "number", where, None)),
@@ -698,14 +703,14 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
         qkv_bias=qwen2 or attention_bias,
         out_bias=attention_bias,
         mlp_bias=mlp_bias,
-        qk_norm=qwen3 or arch in ("Gemma3ForCausalLM", "Olmo2ForCausalLM"),
-        qk_norm_full=olmo2,
-        pre_norms=not olmo2,
-        norm_fp32_weight=olmo2,
+        qk_norm=qwen3 or olmo or arch == "Gemma3ForCausalLM",
+        qk_norm_full=olmo,
+        pre_norms=not olmo,
+        norm_fp32_weight=olmo,
         norm_offset=gemma,
         embed_scale=gemma,
         mlp_act=_HF_ACTIVATIONS[act],
-        sandwich_norms=sandwich or olmo2,
+        sandwich_norms=sandwich or olmo,
         attention_scale=scale,
         local_rope_theta=local_theta,
         final_logit_softcap=final_cap,
@@ -714,13 +719,14 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     )
 
 
-def _gemma3_rope(config: Mapping[str, object], rope: Dict[str, object],
-                 rope_key: str) -> Tuple[Dict[str, object], str, float]:
-    """Gemma 3's RoPE: the full layers' parameters (with any scaling), where, and the sliding layers'
-    base; transformers 5 nests both under rope_parameters by layer kind, 4.x gave rope_theta,
-    rope_scaling (full layers) and rope_local_base_freq."""
+def _rope_per_layer_kind(config: Mapping[str, object], rope: Dict[str, object], rope_key: str,
+                         arch: str) -> Tuple[Dict[str, object], str, float]:
+    """Gemma 3's and OLMo 3's RoPE: the full layers' parameters (with any scaling), where, and the sliding
+    layers' base; transformers 5 nests both under rope_parameters by layer kind, 4.x gave rope_theta and
+    rope_scaling for the full layers and (Gemma 3) rope_local_base_freq, or (OLMo 3) nothing: its sliding
+    layers then take the default base."""
     where = "config.json"
-    local = 10000.0
+    local_key, local = _HF_ROPE_PER_KIND[arch]
     if "full_attention" in rope or "sliding_attention" in rope:
         sliding = dict(json_field(rope, "sliding_attention", "object", f"{where} {rope_key}", {}))
         local_where = f"{where} {rope_key}.sliding_attention"
@@ -729,7 +735,9 @@ def _gemma3_rope(config: Mapping[str, object], rope: Dict[str, object],
         local = json_field(sliding, "rope_theta", "number", local_where, local)
         return (dict(json_field(rope, "full_attention", "object", f"{where} {rope_key}", {})),
                 f"{where} {rope_key}.full_attention", local)
-    return rope, f"{where} {rope_key}", json_field(config, "rope_local_base_freq", "number", where, local)
+    if local_key is not None:
+        local = json_field(config, local_key, "number", where, local)
+    return rope, f"{where} {rope_key}", local
 
 
 def _gemma_scales(config: Mapping[str, object], arch: str) -> Tuple[float, Optional[float]]:
@@ -800,24 +808,26 @@ def _hf_optional(config: Mapping[str, object], key: str, kind: str, default: obj
 def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool, arch: str) -> List[int]:
     """Each layer's sliding window (0: full attention), as transformers decides it: ``layer_types``
     where the config lists them; Mistral: every layer; Qwen2: only with ``use_sliding_window``, from
-    layer ``max_window_layers`` on; Gemma 2 / 3 without a list: every other / every sixth layer full
-    (``sliding_window_pattern``). A ring layer here attends keys p - window < k <= p, as transformers
-    masks. A window as wide as every context is full attention, except in Gemma 3, whose sliding layers
-    also rotate with their own RoPE base: they stay rings."""
+    layer ``max_window_layers`` on; Gemma 2 / 3 / OLMo 3 without a list: every other / every sixth
+    (``sliding_window_pattern``) / every fourth layer full. A ring layer here attends keys
+    p - window < k <= p, as transformers masks. A window as wide as every context is full attention,
+    except in Gemma 3 and OLMo 3, whose sliding layers may rotate with their own RoPE base: they stay
+    rings."""
     where = "config.json"
-    default = 4096 if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else 0
+    default = 4096 if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM") else 0
     window = stated = _hf_optional(config, "sliding_window", "int", default) or 0
     if window < 0:
         raise ValueError(f"config.json: sliding_window must be positive, got {window}")
     longest = json_field(config, "max_position_embeddings", "int", where, 0)
-    if longest > 0 and window >= longest and arch != "Gemma3ForCausalLM":
+    if longest > 0 and window >= longest and arch not in _HF_ROPE_PER_KIND:
         window = 0
     if window > MAX_WINDOW:  # a ring of that many rows is allocated per layer at run time
         raise ValueError(f"config.json: sliding_window {window} is wider than any model's context "
                          f"(at most {MAX_WINDOW}); a damaged config")
     types = json_field(config, "layer_types", "strs", where, None)
     if types is None and default:
-        pattern = 2 if arch == "Gemma2ForCausalLM" else json_field(config, "sliding_window_pattern", "int", where, 6)
+        pattern = {"Gemma2ForCausalLM": 2, "Olmo3ForCausalLM": 4}.get(arch) \
+            or json_field(config, "sliding_window_pattern", "int", where, 6)
         if pattern < 1:
             raise ValueError(f"config.json: sliding_window_pattern must be >= 1, got {pattern}")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
