@@ -42,10 +42,18 @@ _OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 _HF_DEFAULT_ROPE_THETA = {"Gemma3ForCausalLM": 1e6, "SmolLM3ForCausalLM": 2e6, "Olmo3ForCausalLM": 5e5}
 # Architectures with RoPE parameters per layer kind (full / sliding): (the 4.x field of the sliding
 # layers' base, or None where the full layers' default is theirs too, that default).
-_HF_ROPE_PER_KIND = {"Gemma3ForCausalLM": ("rope_local_base_freq", 10000.0), "Olmo3ForCausalLM": (None, 5e5)}
+_HF_ROPE_PER_KIND = {"Gemma3ForCausalLM": ("rope_local_base_freq", 10000.0),
+                     "Olmo3ForCausalLM": (None, _HF_DEFAULT_ROPE_THETA["Olmo3ForCausalLM"])}
+# Sliding layers by default (a 4,096 window) where a config lists no layer_types: every n-th layer is
+# full (Gemma 3 reads n from sliding_window_pattern, default 6).
+_HF_SLIDING_PATTERNS = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "Olmo3ForCausalLM": 4}
+# Architectures whose attention reads no sliding_window at all.
+_HF_NO_WINDOWS = ("GraniteForCausalLM", "Olmo2ForCausalLM")
 # The architectures whose MLP reads config.json's mlp_bias (Mistral's and Qwen's have none whatever it says).
 _HF_MLP_BIAS = ("LlamaForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM")
 _GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Gemma 2/3: a norm before and after each sublayer.
+_SANDWICH = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # transformers' ACT2FN names of the MLP gates model.py computes ("gelu_new" is the tanh formula too).
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
                    "gelu_new": "gelu_tanh"}
@@ -571,7 +579,7 @@ def hf_tensor_layout(config: Mapping[str, object]) -> str:
         return "fused"
     if arch in _OLMO:
         return "post"
-    return "sandwich" if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else "plain"
+    return "sandwich" if arch in _SANDWICH else "plain"
 
 
 def hf_to_model_names(name: str, layout: str = "plain") -> Optional[List[str]]:
@@ -599,7 +607,7 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     qwen3 = "Qwen3ForCausalLM" in archs
     arch = archs[0]
     gemma = arch in _GEMMA
-    sandwich = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    sandwich = arch in _SANDWICH
     olmo = arch in _OLMO
     if config.get("quantization_config"):
         method = dict(config["quantization_config"]).get("quant_method", "?") \
@@ -619,8 +627,8 @@ def hf_args(config: Mapping[str, object], layers_held: Optional[int] = None) -> 
     nope: List[int] = []
     if arch == "SmolLM3ForCausalLM":
         nope, windows = _smollm3_layers(config, n_layers)
-    elif arch in ("GraniteForCausalLM", "Olmo2ForCausalLM"):
-        windows = [0]  # their attention reads no sliding_window
+    elif arch in _HF_NO_WINDOWS:
+        windows = [0]
     else:  # Qwen3 decides its sliding layers as Qwen2 does
         windows = _hf_windows(config, n_layers, qwen2 or qwen3, arch)
     # Gemma 2/3's MLPs read hidden_activation, Gemma's (as every other here) hidden_act.
@@ -761,14 +769,14 @@ def _granite_multipliers(config: Mapping[str, object]) -> Tuple[float, Dict[str,
     scale = json_field(config, "attention_multiplier", "number", where, 1.0)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"config.json: attention_multiplier must be a finite number > 0, got {scale}")
+    # The config's names are ModelArgs' own.
     out: Dict[str, Optional[float]] = {}
-    for key, field_name in (("embedding_multiplier", "embedding_multiplier"),
-                            ("residual_multiplier", "residual_multiplier"), ("logits_scaling", "logits_scaling")):
+    for key in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
         value = json_field(config, key, "number", where, 1.0)
-        if not math.isfinite(value) or (key == "logits_scaling" and value <= 0):
-            raise ValueError(f"config.json: {key} must be a finite number{' > 0' if key == 'logits_scaling' else ''}, "
-                             f"got {value}")
-        out[field_name] = None if value == 1 else float(value)
+        positive = key == "logits_scaling"  # a divisor
+        if not math.isfinite(value) or (positive and value <= 0):
+            raise ValueError(f"config.json: {key} must be a finite number{' > 0' if positive else ''}, got {value}")
+        out[key] = None if value == 1 else float(value)
     return scale, out
 
 
@@ -814,7 +822,7 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool, arch: 
     except in Gemma 3 and OLMo 3, whose sliding layers may rotate with their own RoPE base: they stay
     rings."""
     where = "config.json"
-    default = 4096 if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM") else 0
+    default = 4096 if arch in _HF_SLIDING_PATTERNS else 0
     window = stated = _hf_optional(config, "sliding_window", "int", default) or 0
     if window < 0:
         raise ValueError(f"config.json: sliding_window must be positive, got {window}")
@@ -826,8 +834,9 @@ def _hf_windows(config: Mapping[str, object], n_layers: int, qwen2: bool, arch: 
                          f"(at most {MAX_WINDOW}); a damaged config")
     types = json_field(config, "layer_types", "strs", where, None)
     if types is None and default:
-        pattern = {"Gemma2ForCausalLM": 2, "Olmo3ForCausalLM": 4}.get(arch) \
-            or json_field(config, "sliding_window_pattern", "int", where, 6)
+        pattern = _HF_SLIDING_PATTERNS[arch]
+        if arch == "Gemma3ForCausalLM":
+            pattern = json_field(config, "sliding_window_pattern", "int", where, pattern)
         if pattern < 1:
             raise ValueError(f"config.json: sliding_window_pattern must be >= 1, got {pattern}")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
@@ -879,17 +888,20 @@ def to_hf_state_dict(model: Transformer) -> Dict[str, torch.Tensor]:
     }
 
 
+# ModelArgs fields only other families set (a value other than Llama's default): hf_config refuses them.
+_OTHER_FAMILY_FIELDS = ("norm_offset", "embed_scale", "mlp_act", "sandwich_norms", "attention_scale",
+                        "local_rope_theta", "final_logit_softcap", "embedding_multiplier", "residual_multiplier",
+                        "logits_scaling", "nope_layers", "qk_norm_full", "pre_norms", "norm_fp32_weight")
+
+
 def hf_config(args: ModelArgs) -> Dict[str, object]:
     """A transformers-style ``config.json`` for ``args`` (the inverse of :func:`hf_args`) of the Llama
     family; other families' features are refused by name rather than written as a different model."""
-    foreign = [name for name in ("norm_offset", "embed_scale", "sandwich_norms", "nope_layers", "qk_norm_full",
-                                 "norm_fp32_weight") if getattr(args, name)]
-    foreign += [] if args.pre_norms else ["pre_norms"]
-    foreign += [name for name in ("attention_scale", "local_rope_theta", "final_logit_softcap", "embedding_multiplier",
-                                  "residual_multiplier", "logits_scaling") if getattr(args, name) is not None]
-    if foreign or args.mlp_act != "silu":
-        raise ValueError(f"hf_config writes Llama-family configs; {', '.join(foreign or ['mlp_act'])} belongs to "
-                         "another family (Gemma, Granite, SmolLM3, OLMo 2: save such a model with transformers)")
+    llama = ModelArgs()
+    foreign = [name for name in _OTHER_FAMILY_FIELDS if getattr(args, name) != getattr(llama, name)]
+    if foreign:
+        raise ValueError(f"hf_config writes Llama-family configs; {', '.join(foreign)} belongs to another family "
+                         "(save such a model with transformers)")
     config: Dict[str, object] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
