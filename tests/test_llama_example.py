@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -104,6 +104,15 @@ def _saved_transformers_model(path: Path, family: str, seed: int = 0, dtype: tor
     hf = hf.to(dtype)
     hf.save_pretrained(path, max_shard_size=max_shard_size)
     return hf
+
+
+def _edit_config(directory: Path, update: Optional[Dict[str, object]] = None, drop: Tuple[str, ...] = ()) -> dict:
+    """Rewrite ``directory``'s config.json without the ``drop`` keys and with ``update``; the config as it was."""
+    path = directory / "config.json"
+    saved = json.loads(path.read_text())
+    edited = {k: v for k, v in saved.items() if k not in drop}
+    path.write_text(json.dumps({**edited, **(update or {})}))
+    return saved
 
 
 def _eager_steps_give_transformers_logits(hf: "torch.nn.Module", loaded: "checkpoint.LoadedCheckpoint", seed: int,
@@ -378,8 +387,7 @@ def test_hf_gemma_config_saying_gelu_computes_the_tanh_gelu_as_transformers_does
     """gemma-2b's released config.json says hidden_act "gelu"; transformers reads that legacy value as the tanh
     formula the model was trained with, and so does the loader."""
     hf = _saved_transformers_model(tmp_path, "Gemma", **_GEMMA_FAMILY["Gemma"])
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    _edit_config(tmp_path, {"hidden_act": "gelu"})
     loaded = checkpoint.load_hf(tmp_path)
     assert loaded.args.mlp_act == "gelu_tanh"
     _eager_steps_give_transformers_logits(hf, loaded, 10, [4, 1, 2])
@@ -423,9 +431,7 @@ def test_hf_smollm3_nope_layers_give_transformers_logits(tmp_path: Path, config:
     hf = _saved_transformers_model(tmp_path, "SmolLM3", num_hidden_layers=4, max_position_embeddings=256,
                                    **_SMOLLM3_TOKENS, **{k: v for k, v in config.items() if k != "layer_types"})
     if "layer_types" in config:  # a config.json without the list (transformers derives it from the NoPE layers)
-        saved = json.loads((tmp_path / "config.json").read_text())
-        saved.pop("layer_types")
-        (tmp_path / "config.json").write_text(json.dumps(saved))
+        _edit_config(tmp_path, drop=("layer_types",))
     args = checkpoint.load_hf(tmp_path).args
     assert args.nope_layers == nope and args.tie_embeddings
     assert [args.window_of(i) for i in range(4)] == (windows * 4 if len(windows) == 1 else windows)
@@ -460,11 +466,8 @@ def test_hf_olmo3_sliding_layers_and_rope_per_layer_kind_give_transformers_logit
     hf = _saved_transformers_model(tmp_path, "Olmo3", num_hidden_layers=5, sliding_window=3, rope_parameters=rope,
                                    pad_token_id=0, eos_token_id=1)
     if spelling == "transformers-4":
-        config = json.loads((tmp_path / "config.json").read_text())
-        config.pop("rope_parameters")
-        config.pop("layer_types")
-        config.update(rope_theta=1000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})
-        (tmp_path / "config.json").write_text(json.dumps(config))
+        _edit_config(tmp_path, {"rope_theta": 1000.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+                     drop=("rope_parameters", "layer_types"))
     args = checkpoint.load_hf(tmp_path).args
     assert [args.window_of(i) for i in range(5)] == [3, 3, 3, 0, 3]
     assert (args.rope_theta, args.local_rope_theta, args.rope_scaling) == \
@@ -476,10 +479,7 @@ def test_hf_rope_base_absent_from_the_config_is_the_familys_default(tmp_path: Pa
     """transformers' configs default the RoPE base per family (SmolLM3: 2e6): a config without one
     loads the same model transformers builds from it."""
     hf = _saved_transformers_model(tmp_path, "SmolLM3", **_SMOLLM3_TOKENS)
-    config = json.loads((tmp_path / "config.json").read_text())
-    assert config["rope_parameters"]["rope_theta"] == 2e6
-    config.pop("rope_parameters")
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _edit_config(tmp_path, drop=("rope_parameters",))["rope_parameters"]["rope_theta"] == 2e6
     assert checkpoint.load_hf(tmp_path).args.rope_theta == 2e6
     _eager_steps_give_transformers_logits(hf, checkpoint.load_hf(tmp_path), 17, [4, 1])
 
@@ -494,8 +494,7 @@ def test_hf_rope_base_absent_from_the_config_is_the_familys_default(tmp_path: Pa
 def test_granite_and_smollm3_config_fields_that_cannot_be_a_model_are_named(
         tmp_path: Path, family: str, update: Dict[str, object], named: str) -> None:
     _saved_transformers_model(tmp_path, family, **(_SMOLLM3_TOKENS if family == "SmolLM3" else {}))
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, **update}))
+    _edit_config(tmp_path, update)
     with pytest.raises(ValueError, match=named):
         checkpoint.load_hf(tmp_path)
 
