@@ -29,7 +29,7 @@ if str(_HERE) not in sys.path:
 import torch  # noqa: E402
 
 from checkpoint import (  # noqa: E402
-    LoadedCheckpoint, default_weights_dtype, dtype_name, load_hf, load_meta, parse_dtype)
+    LoadedCheckpoint, default_weights_dtype, dtype_name, load_hf, load_meta, parse_dtype, SUPPORTED_HF_ARCHITECTURES)
 from gguf_import import load_gguf, smollm2_gguf_path, tokenizer_dir_for, write_tokenizer  # noqa: E402
 from model import ModelArgs, Transformer, dynamic_shapes, example_inputs, init_deterministic  # noqa: E402
 from quantize import DEFAULT_GROUP_SIZE, SCHEMES, quantize_model, weight_bytes  # noqa: E402
@@ -53,7 +53,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src.add_argument("--tiny", action="store_true", help="the deterministic toy model with a byte vocabulary")
     src.add_argument("--checkpoint", help="Meta consolidated*.pth (file, or directory of shards)")
     src.add_argument("--params", help="Meta params.json (default: next to --checkpoint)")
-    src.add_argument("--hf-dir", help="Hugging Face Llama, Mistral, Qwen2, Qwen3 or Phi-3 directory (sliding windows: ring layers): "
+    families = ", ".join(a.removesuffix("ForCausalLM") for a in SUPPORTED_HF_ARCHITECTURES)
+    src.add_argument("--hf-dir", help=f"Hugging Face checkpoint directory ({families}; sliding windows: ring layers): "
                      "config.json + *.safetensors or pytorch_model*.bin, sharded or not")
     src.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                      help="cast weights (default: bf16 where the device computes bf16 natively, else fp32; "
