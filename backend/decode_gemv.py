@@ -28,6 +28,7 @@ outright.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import fx
@@ -120,25 +121,34 @@ def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2, in_au
     return wanted and dense and typed
 
 
-def _one_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # [1, K] x [N, K] -> [1, N]; the products and the sum in fp32 (as a GEMM accumulates).
-    if kernel_takes(x, w, in_auto=int(w.shape[0]) >= KERNEL_FROM_OUTPUTS or kernel_for_every_row()):
-        return torch.ops.offgraph_kv.linear_rows(x, w)
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
 
 
-def _many_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if w.dtype == torch.bfloat16 and wide_kernel_takes(x, w):
-        return torch.ops.offgraph_kv.linear_rows(x, w)
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x, w.t())
 
 
+def _one_row_form(x: torch.Tensor, w: torch.Tensor) -> Callable[..., torch.Tensor]:
+    if kernel_takes(x, w, in_auto=int(w.shape[0]) >= KERNEL_FROM_OUTPUTS or kernel_for_every_row()):
+        return torch.ops.offgraph_kv.linear_rows
+    return _reduction
+
+
+def _many_rows_form(x: torch.Tensor, w: torch.Tensor) -> Callable[..., torch.Tensor]:
+    if w.dtype == torch.bfloat16 and wide_kernel_takes(x, w):
+        return torch.ops.offgraph_kv.linear_rows
+    return _mm
+
+
 def linear_by_width(x: torch.Tensor, w: torch.Tensor, bias: "torch.Tensor | None" = None) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` for ``x [..., K]``, ``w [N, K]``: a reduction when
-    ``x`` holds one row, ATen's GEMM otherwise."""
+    """``x @ w.T (+ bias)`` for ``x [..., K]``, ``w [N, K]``: a reduction or our kernel when ``x``
+    holds one row, ATen's GEMM or our kernel otherwise (one call, no branch, where the kernel takes
+    both)."""
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
-    out = by_width(rows.shape[0], _one_row, _many_rows, (rows, w))
+    out = by_width(rows.shape[0], _one_row_form(rows, w), _many_rows_form(rows, w), (rows, w))
     out = out.reshape(*lead, w.shape[0])
     return out if bias is None else out + bias
 

@@ -50,6 +50,7 @@ int16 ops fell back to scalar code, 472 us).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -364,42 +365,46 @@ int8_da8_linear = _dynamic_activation_op("int8_da8_linear", int8_da8_torchao_for
 # --------------------------------------------------------------------------- #
 
 
-def _kernel_or(reduction: Callable[..., torch.Tensor], kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The one-row form the export's mode asks for (``decode_gemv.kernel_takes``, decided when traced)."""
+def _kernel_or(reduction: Callable[..., torch.Tensor], kernel: Callable[..., torch.Tensor]) -> Callable[..., Callable[..., torch.Tensor]]:
+    """The one-row form the export's mode asks for (``decode_gemv.kernel_takes``), chosen from the
+    operands when traced."""
     from offgraph_kv.backend.decode_gemv import kernel_takes
 
-    def one_row(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, *zero: torch.Tensor) -> torch.Tensor:
+    def form(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, *zero: torch.Tensor) -> Callable[..., torch.Tensor]:
         # The kernel reads the stored integers as laid out by pack_int4 / torchao (dense rows), x and
         # the scales as fp32 / bf16 / fp16.
         # In "auto" too: SmolLM2 int8 / int4 steps with every linear on the kernel took 0.84-0.94x the
         # reductions' (benchmarks/results/cpu_decode_gemv_auto.md).
-        take = kernel_takes(x, scale, qdata, *zero, floats=2, in_auto=True)
-        return (kernel if take else reduction)(x, qdata, scale, *zero)
-    return one_row
+        return kernel if kernel_takes(x, scale, qdata, *zero, floats=2, in_auto=True) else reduction
+    return form
 
 
-def _by_width(one_row: Callable[..., torch.Tensor], many_rows: Callable[..., torch.Tensor],
+def _by_width(one_row: Callable[..., Callable[..., torch.Tensor]], many_rows: Callable[..., Callable[..., torch.Tensor]],
               reduce: bool) -> Callable[..., torch.Tensor]:
+    """The lowering of one quantized linear from its one-row and wider forms' choosers (each takes the
+    operands, returns the form): a branch on the width (``reduce``), none where both are one kernel."""
     def call(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)
-        out = by_width(rows.shape[0], one_row, many_rows, (rows, *weights)) if reduce else many_rows(rows, *weights)
+        many = many_rows(rows, *weights)
+        one = one_row(rows, *weights) if reduce else many
+        out = by_width(rows.shape[0], one, many, (rows, *weights))
         return out.reshape(*lead, out.shape[-1])
     return call
 
 
 def _wide(many_rows: Callable[..., torch.Tensor], kernel: Callable[..., torch.Tensor],
-          cpu: bool) -> Callable[..., torch.Tensor]:
+          cpu: bool) -> Callable[..., Callable[..., torch.Tensor]]:
     """A wider step's form: on CPU our kernel's GEMM where it takes the step (bf16 rows,
     ``decode_gemv.wide_kernel_takes``), else the weight dequantized ``block_rows`` rows at a time, then
     ``mm``; elsewhere the whole weight dequantized, then ``mm``."""
     from offgraph_kv.backend.decode_gemv import KERNEL_FLOATS, wide_kernel_takes
 
-    def call(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def form(x: torch.Tensor, *weights: torch.Tensor) -> Callable[..., torch.Tensor]:
         if cpu and weights[1].dtype in KERNEL_FLOATS and wide_kernel_takes(x, *weights):
-            return kernel(x, *weights)
-        return many_rows(x, *weights, block=block_rows(x.shape[-1], x.dtype) if cpu else None)
-    return call
+            return kernel
+        return functools.partial(many_rows, block=block_rows(x.shape[-1], x.dtype) if cpu else None)
+    return form
 
 
 def _without_zero(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

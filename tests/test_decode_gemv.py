@@ -85,3 +85,39 @@ def test_lowered_linears_give_the_models_result_for_one_row_and_many(monkeypatch
     for rows in (1, 5):
         x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(lowered(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+class _Bf16Layer(torch.nn.Module):
+    """Two bf16 linears of a decoder's shape (no vocabulary projection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.up = torch.nn.Linear(64, 96, bias=False, dtype=torch.bfloat16)
+        self.down = torch.nn.Linear(96, 64, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_((torch.randn(p.shape, generator=g) * 0.2).bfloat16())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("mode,bf16_dots,conds", [("kernel", True, 0), ("kernel", False, 2), ("reduce", True, 2)])
+def test_a_linear_whose_kernel_takes_every_width_has_no_branch(monkeypatch: pytest.MonkeyPatch, mode: str,
+                                                              bf16_dots: bool, conds: int) -> None:
+    """Where one row and many rows both run our kernel (bf16 on a machine with the bf16 dot product),
+    the linear is one kernel call; elsewhere a cond on the width, and either way the model's result."""
+    monkeypatch.setenv(decode_gemv.ENV_SWITCH, mode)
+    monkeypatch.setattr(decode_gemv, "cpu_has_bf16_dots", lambda: bf16_dots)
+    width, model = torch.export.Dim("t", max=64), _Bf16Layer()
+    example = (torch.randn(3, 64).bfloat16(),)
+    program = torch.export.export(model, example, dynamic_shapes=({0: width},)).module()
+    assert decode_gemv.use_reductions_for_one_row(program) == 2
+    lowered = torch.export.export(program, example, dynamic_shapes=({0: width},), strict=False)
+    assert sum(n.target is torch.ops.higher_order.cond for n in lowered.graph.nodes) == conds
+    direct = sum(n.target is torch.ops.offgraph_kv.linear_rows.default for n in lowered.graph.nodes)
+    assert direct == 2 - conds
+    for rows in (1, 5):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        torch.testing.assert_close(lowered.module()(x).float(), model(x).float(), atol=2e-2, rtol=2e-2)

@@ -263,3 +263,23 @@ def test_quantized_ops_are_lowered_to_a_branch_on_the_rows_or_to_the_wide_form_a
     for rows in (1, 5):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(lowered.module()(x), model(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bf16_dots", [True, False], ids=["bf16-dots", "no-bf16-dots"])
+def test_quantized_bf16_linears_are_one_kernel_call_where_the_kernel_takes_every_width(
+        monkeypatch: pytest.MonkeyPatch, bf16_dots: bool) -> None:
+    """bf16 rows on a CPU with the bf16 dot product: our kernels take one row and many, so no branch."""
+    from offgraph_kv.backend import decode_gemv
+
+    monkeypatch.setenv(decode_gemv.ENV_SWITCH, "auto")
+    monkeypatch.setattr(decode_gemv, "cpu_has_bf16_dots", lambda: bf16_dots)
+    model, width = _TwoLinears().to(torch.bfloat16), torch.export.Dim("t", max=64)
+    example = (torch.randn(3, 96).bfloat16(),)
+    program = torch.export.export(model, example, dynamic_shapes=({0: width},)).module()
+    assert ql.lower_quantized_linears(program, reduce=True, cpu=True) == 2
+    lowered = torch.export.export(program, example, dynamic_shapes=({0: width},), strict=False)
+    assert sum(n.target is torch.ops.higher_order.cond for n in lowered.graph.nodes) == (0 if bf16_dots else 2)
+    for rows in (1, 5):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got, want = lowered.module()(x).float(), model(x).float()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()  # bf16 rounding of the int8 layer's output
