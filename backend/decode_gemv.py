@@ -1,4 +1,4 @@
-"""CPU decode linears: a one-row step reads each weight once, as a reduction.
+"""CPU decode linears: a one-row step reads each weight once, as stored.
 
 A decode step is about 80 % one-row matrix products over the weights
 (``benchmarks/results/cpu_profile_smollm2_bf16.md``), and ATen's GEMM for one
@@ -7,12 +7,12 @@ a half of what one core reads here; inductor's own reduction kernel over the
 same weight reads it about twice as fast for one row, but is 3-13x slower for
 64 (``benchmarks/results/cpu_gemv.md``). One program serves both widths, so
 each linear becomes a branch on the step width (``torch.cond``, compiled into
-the code): one row -> inductor's ``sum(x * w)``, or our kernel
-(``native/decode_linear.cpp``: each weight row streamed once as stored, fp32
-accumulation) for a vocabulary-sized projection, where the reduction falls
-behind it (``OFFGRAPH_KV_CPU_GEMV=kernel``: the kernel for every one-row
-linear); wider -> ATen's ``mm``, or for bf16 on a machine with the AVX-512
-bf16 dot product our kernel's GEMM (``wide_kernel_takes``). Nothing is packed
+the code): one row -> our kernel (``native/decode_linear.cpp``: each weight
+row streamed once as stored, fp32 accumulation; it shares the rows among the
+delegate's helper threads), or with ``OFFGRAPH_KV_CPU_GEMV=reduce`` inductor's
+``sum(x * w)``; wider -> ATen's ``mm``, or for bf16 on a machine with the
+AVX-512 bf16 dot product our kernel's GEMM (``wide_kernel_takes``), and where
+both widths run the kernel there is no branch at all. Nothing is packed
 or copied: the weight stays the constant the ``.pte`` stores.
 
 A linear here is ``linear(x, W[, b])`` (the partitioner keeps ``nn.Linear``
@@ -20,8 +20,8 @@ whole), ``mm(x, permute(W, [1, 0]))`` or ``addmm(b, x, permute(W, [1, 0]))``,
 with ``W`` a constant of the program; a product of two activations, a weight
 computed in the graph (a dequantised int4 weight) or a static width of more
 than one row is left alone; a linear that always takes one row (the output
-projection of a model that returns the last token's logits) is a reduction
-outright.
+projection of a model that returns the last token's logits) takes the
+one-row form outright.
 ``OFFGRAPH_KV_CPU_GEMV=mm`` (read at export) keeps every linear on ATen's GEMM.
 """
 
@@ -38,22 +38,20 @@ from offgraph_kv.backend.switches import switch
 from offgraph_kv.backend.width_branch import by_width
 
 ENV_SWITCH = "OFFGRAPH_KV_CPU_GEMV"
-MODES = ("auto", "kernel", "reduce", "mm")
-# In "auto", a one-row linear with at least this many outputs runs our kernel: a vocabulary
-# projection (Llama-2's 32,000 rows to Qwen2's 151,936), where inductor's reduction reads the
-# weight at 0.6x the kernel's speed (576 -> 49,152, bf16, ``benchmarks/results/cpu_gemv_kernel.md``).
-# The decoder layers' linears stay below it (Llama-3-70B's FFN: 28,672) and on the reduction,
-# which is faster than the kernel there.
-KERNEL_FROM_OUTPUTS = 32000
+MODES = ("auto", "reduce", "mm")
 
 
 def one_row_mode() -> str:
     """How CPU exports run one-row linears (``OFFGRAPH_KV_CPU_GEMV``): "auto" (the default: our kernel
-    for a vocabulary-sized float projection and for every int8 / int4 linear, inductor's reduction for
-    the other float linears, except on AMD machines: the kernel for all, ``kernel_for_every_row``),
-    "kernel" (our kernel for every one-row linear), "reduce" (the reduction for all) or "mm" (ATen's
-    GEMM, no branch on the width). Whole SmolLM2 steps, the modes in turns:
-    ``benchmarks/results/cpu_decode_gemv_auto.md`` (Intel), ``cpu_decode_linear_ab_bf16.md`` (AMD)."""
+    for every one-row linear whose dtypes it reads, float, int8 and int4), "reduce" (inductor's
+    reduction for all) or "mm" (ATen's GEMM, no branch on the width).
+
+    Why the kernel everywhere: whole bf16 SmolLM2 steps with every linear on it took 0.86x / 0.82x the
+    reductions' time at 200 / 2,000 tokens on an AMD EPYC (Zen 4, ``benchmarks/results/
+    cpu_decode_linear_ab_bf16.md``); on an Intel Xeon (Sapphire Rapids) the two were equal with one
+    thread and the kernel 1.25-1.5x faster with two, since its helpers share the rows
+    (``cpu_decode_kernel_every_row_intel.md``). The vocabulary projection was the kernel's on both
+    from the start (the reduction read 576 -> 49,152 at 0.6x its speed, ``cpu_gemv_kernel.md``)."""
     return switch(ENV_SWITCH, MODES, "auto")
 
 
@@ -69,21 +67,6 @@ def _cpuinfo(key: str) -> str:
     return ""
 
 
-def cpu_vendor() -> str:
-    """The exporting machine's CPU vendor string (``AuthenticAMD``, ``GenuineIntel``; "" if unknown)."""
-    return _cpuinfo("vendor_id")
-
-
-def kernel_for_every_row() -> bool:
-    """Whether "auto" runs every one-row float linear on our kernel: on AMD machines. There the kernel
-    reads each weight row as one stream (``native/decode_linear.cpp``) and beat inductor's reduction on
-    the decoder's shapes too: whole bf16 SmolLM2 steps took 0.86x / 0.82x the time at 200 / 2,000 tokens
-    (AMD EPYC Zen 4, ``benchmarks/results/cpu_decode_linear_ab_bf16.md``). On the Intel Xeon the
-    reduction read those shapes 1.4-1.5x faster (``cpu_decode_gemv_auto.md``). A CPU program runs on
-    the ISA of the machine that exported it, so the export decides."""
-    return cpu_vendor() == "AuthenticAMD"
-
-
 def cpu_has_bf16_dots() -> bool:
     """Whether the exporting machine has the AVX-512 bf16 dot product (``avx512_bf16`` in /proc/cpuinfo)."""
     return "avx512_bf16" in _cpuinfo("flags").split()
@@ -91,13 +74,13 @@ def cpu_has_bf16_dots() -> bool:
 
 def wide_kernel_takes(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether a wider step (two rows or more) runs our kernel's GEMM (``native/wide_rows.h``: the AVX-512
-    bf16 dot product over weights read as bf16 rows) instead of ATen's: modes "auto" and "kernel", bf16
+    bf16 dot product over weights read as bf16 rows) instead of ATen's: mode "auto", bf16
     activations, dense weights as stored, on a machine with the instruction (the exporting machine's ISA
     is the program's). Which weight dtypes the kernel reads is the caller's to add. Measured on an AMD EPYC
     (Zen 4), 64 rows: 178-198 GFLOP/s against oneDNN's 187 for bf16 weights; SmolLM2 weight-only int8
     prefill (512 tokens) 2.0x ATen's int8 GEMM's speed, with no dequantized weight, primitive cache or oneDNN code in
     the process (``benchmarks/results/cpu_wide_rows_ab_int8.md``)."""
-    return (one_row_mode() in ("auto", "kernel") and x.dtype == torch.bfloat16 and cpu_has_bf16_dots()
+    return (one_row_mode() == "auto" and x.dtype == torch.bfloat16 and cpu_has_bf16_dots()
             and all(w.is_contiguous() for w in weights))
 
 
@@ -109,16 +92,13 @@ def reduction_applies() -> bool:
 KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)  # what native/decode_linear.cpp reads
 
 
-def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2, in_auto: bool = False) -> bool:
-    """Whether a one-row linear runs our kernel: the export's mode says so ("kernel"; "auto" where the
-    caller says the kernel is the faster form, ``in_auto``), every weight is a dense row-major tensor as
-    stored, and ``x`` and the first ``floats`` operands are fp32, bf16 or fp16 (any other dtype, fp64
-    say, keeps the reduction)."""
-    mode = one_row_mode()
-    wanted = mode == "kernel" or (mode == "auto" and in_auto)
+def kernel_takes(x: torch.Tensor, *weights: torch.Tensor, floats: int = 2) -> bool:
+    """Whether a one-row linear runs our kernel: the export's mode is "auto", every weight is a dense
+    row-major tensor as stored, and ``x`` and the first ``floats`` operands are fp32, bf16 or fp16 (any
+    other dtype, fp64 say, keeps the reduction)."""
     dense = all(w.is_contiguous() for w in weights)
     typed = all(t.dtype in KERNEL_FLOATS for t in (x, *weights)[:floats])
-    return wanted and dense and typed
+    return one_row_mode() == "auto" and dense and typed
 
 
 def _reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -131,7 +111,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _one_row_form(x: torch.Tensor, w: torch.Tensor) -> Callable[..., torch.Tensor]:
-    if kernel_takes(x, w, in_auto=int(w.shape[0]) >= KERNEL_FROM_OUTPUTS or kernel_for_every_row()):
+    if kernel_takes(x, w):
         return torch.ops.offgraph_kv.linear_rows
     return _reduction
 

@@ -24,7 +24,7 @@ The backend (``lower_quantized_linears``) replaces every call before
 AOTInductor compiles: on CPU, unless ``OFFGRAPH_KV_CPU_GEMV=mm``, with a branch
 on the step's rows (``torch.cond``, as ``decode_gemv`` does for float
 linears): one row -> our kernel, ``native/decode_linear.cpp`` (the default
-mode, and ``=kernel``), or with ``OFFGRAPH_KV_CPU_GEMV=reduce`` one fused
+mode), or with ``OFFGRAPH_KV_CPU_GEMV=reduce`` one fused
 inductor reduction over the stored integers (either way the weight bytes read
 once, dequantised in registers, fp32 accumulation; where the kernel does not
 take the dtypes, the reduction; on bf16 rows the kernel takes int4 groups of 32
@@ -373,9 +373,9 @@ def _kernel_or(reduction: Callable[..., torch.Tensor], kernel: Callable[..., tor
     def form(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, *zero: torch.Tensor) -> Callable[..., torch.Tensor]:
         # The kernel reads the stored integers as laid out by pack_int4 / torchao (dense rows), x and
         # the scales as fp32 / bf16 / fp16.
-        # In "auto" too: SmolLM2 int8 / int4 steps with every linear on the kernel took 0.84-0.94x the
-        # reductions' (benchmarks/results/cpu_decode_gemv_auto.md).
-        return kernel if kernel_takes(x, scale, qdata, *zero, floats=2, in_auto=True) else reduction
+        # SmolLM2 int8 / int4 steps with every linear on the kernel took 0.84-0.94x the reductions'
+        # (benchmarks/results/cpu_decode_gemv_auto.md).
+        return kernel if kernel_takes(x, scale, qdata, *zero, floats=2) else reduction
     return form
 
 

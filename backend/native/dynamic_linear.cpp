@@ -82,11 +82,21 @@ inline void isplit(IVec w, IVec* lo, IVec* hi) {
   *lo = _mm512_and_si512(w, m);
   *hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m);
 }
+// idot: u8 at most 15 (int4 nibbles); idot_full: any u8 (int8 tiles' xq + 128).
 inline IVec idot(IVec acc, IVec u8, IVec s8) {
 #if defined(__AVX512VNNI__)
   return _mm512_dpbusd_epi32(acc, u8, s8);
 #else  // 15 * 128 * 2 fits int16: maddubs cannot saturate here
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
+#endif
+}
+inline IVec idot_full(IVec acc, IVec u8, IVec s8) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#else  // 255 * 128 * 2 overflows maddubs' int16 pairs: even and odd bytes widened, two exact madds
+  const IVec ue = _mm512_and_si512(u8, _mm512_set1_epi16(0xff)), uo = _mm512_srli_epi16(u8, 8);
+  const IVec se = _mm512_srai_epi16(_mm512_slli_epi16(s8, 8), 8), so = _mm512_srai_epi16(s8, 8);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(ue, se), _mm512_madd_epi16(uo, so)));
 #endif
 }
 inline IVec isub(IVec a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
@@ -119,8 +129,13 @@ inline void isplit(IVec w, IVec* lo, IVec* hi) {
   *lo = _mm256_and_si256(w, m);
   *hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m);
 }
-inline IVec idot(IVec acc, IVec u8, IVec s8) {
+inline IVec idot(IVec acc, IVec u8, IVec s8) {  // u8 at most 15, as above
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+inline IVec idot_full(IVec acc, IVec u8, IVec s8) {  // any u8, as above
+  const IVec ue = _mm256_and_si256(u8, _mm256_set1_epi16(0xff)), uo = _mm256_srli_epi16(u8, 8);
+  const IVec se = _mm256_srai_epi16(_mm256_slli_epi16(s8, 8), 8), so = _mm256_srai_epi16(s8, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
 }
 inline IVec isub(IVec a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
 inline Vec ito_float(IVec a) { return _mm256_cvtepi32_ps(a); }
@@ -358,7 +373,7 @@ struct Int8Tiles {
         for (int p = 0; p < kParts; ++p) {
           const IVec w = iload(src + p * kLanes * 4);
           for (int t = 0; t < T; ++t)
-            acc[t][p][c] = idot(acc[t][p][c], ibroadcast(x.xu + (t0 + t) * x.k + tile * kInputs), w);
+            acc[t][p][c] = idot_full(acc[t][p][c], ibroadcast(x.xu + (t0 + t) * x.k + tile * kInputs), w);
         }
       };
       int64_t tile = c0;

@@ -1,13 +1,13 @@
 """CPU decode linears, SmolLM2 side by side in one process: our kernel, inductor's reduction, ATen's GEMM.
 
-    python -m benchmarks.cpu.decode_gemv [--dtypes bf16,fp32] [--modes mm,reduce,kernel] [--workdir DIR] [--reuse]
+    python -m benchmarks.cpu.decode_gemv [--dtypes bf16,fp32] [--modes mm,reduce,auto] [--workdir DIR] [--reuse]
 
 For each weight dtype, one program of SmolLM2-135M-Instruct (the wheel's
 GGUF) per mode, exported by ``examples/llama/export.py`` with
-``OFFGRAPH_KV_CPU_GEMV`` set to it (``backend/decode_gemv.py``): ``reduce``
-(the default: each linear branches on the step's rows, one row -> inductor's
-reduction), ``kernel`` (one row -> our kernel, ``backend/native/decode_linear.cpp``)
-and ``mm`` (ATen's GEMM for every width). All are loaded in this
+``OFFGRAPH_KV_CPU_GEMV`` set to it (``backend/decode_gemv.py``): ``auto``
+(the default: one row -> our kernel, ``backend/native/decode_linear.cpp``),
+``reduce`` (each linear branches on the step's rows, one row -> inductor's
+reduction) and ``mm`` (ATen's GEMM for every width). All are loaded in this
 process and fed the same 200-token prompt in 64-token steps (prefill logits
 must be equal: wider steps take the same path), then decoded greedily, each
 from its own tokens, the programs taking turns step by step (one thread; the
@@ -32,7 +32,7 @@ from benchmarks.lib.machine import describe, now_utc
 from benchmarks.lib.paths import REPO, RESULTS
 
 EXPORT = REPO / "examples" / "llama" / "export.py"
-MODES = ("mm", "reduce", "kernel", "auto")
+MODES = ("mm", "reduce", "auto")
 
 
 def export(dtype: str, mode: str, out: Path) -> float:

@@ -24,7 +24,7 @@ Candidates:
   which inductor compiles to its own vectorised reduction (no extern call);
 - ``kernel``: our kernel (``offgraph_kv::linear_rows``, ``backend/native/decode_linear.cpp``),
   linked into the program as every CPU export links it (what one-row linears
-  run with ``OFFGRAPH_KV_CPU_GEMV=kernel``).
+  run in the default mode).
 """
 
 from __future__ import annotations
