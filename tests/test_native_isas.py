@@ -4,7 +4,9 @@ A program runs the ISA of the machine that exported it (``cpu_kernels._compile_f
 takes inductor's), so each path of ``backend/native`` (AVX-512 with and without VNNI,
 AVX2, scalar) ships on some machine; CI sees one. Here the kernels' own test files run
 again in a child process with ``ATEN_CPU_CAPABILITY`` set below the machine's best
-(inductor's ISA then follows it, and so do the kernels' flags). The int8-weight dynamic
+(inductor's ISA then follows it, and so do the kernels' flags): AVX2 and scalar on an
+AVX-512 machine. AVX-512 without VNNI is reached only on such a machine
+(``ATEN_CPU_CAPABILITY=avx512`` picks inductor's best AVX-512 ISA, VNNI included). The int8-weight dynamic
 kernel once saturated its dots on AVX2 only (``maddubs`` over ``xq + 128``), which the
 AVX-512 VNNI machine's run could not see.
 """
