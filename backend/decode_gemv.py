@@ -10,7 +10,8 @@ each linear becomes a branch on the step width (``torch.cond``, compiled into
 the code): one row -> our kernel (``native/decode_linear.cpp``: each weight
 row streamed once as stored, fp32 accumulation; it shares the rows among the
 delegate's helper threads), or with ``OFFGRAPH_KV_CPU_GEMV=reduce`` inductor's
-``sum(x * w)``; wider -> ATen's ``mm``, or for bf16 on a machine with the
+``sum(x * w)``; wider -> ATen's ``mm`` (on a CPU without a native 16-bit GEMM
+in fp32, a block of weight rows at a time: ``gemm.py``), or for bf16 on a machine with the
 AVX-512 bf16 dot product our kernel's GEMM (``wide_kernel_takes``), and where
 both widths run the kernel there is no branch at all. Nothing is packed
 or copied: the weight stays the constant the ``.pte`` stores.
@@ -34,6 +35,7 @@ import torch
 from torch import fx
 
 import offgraph_kv.backend.cpu_kernels  # noqa: F401  (registers offgraph_kv::linear_rows)
+from offgraph_kv.backend.gemm import gemm, native_gemm
 from offgraph_kv.backend.switches import switch
 from offgraph_kv.backend.width_branch import by_width
 
@@ -107,7 +109,12 @@ def _reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.mm(x, w.t())
+    if native_gemm(x.dtype):
+        return torch.mm(x, w.t())
+    # Upcast to fp32 (gemm.py) a cache-sized block of weight rows at a time: the whole output
+    # projection in fp32 would be a 108 MiB transient for SmolLM2.
+    from offgraph_kv.backend.quantized_linear import block_rows, in_row_blocks
+    return in_row_blocks(gemm, x, block_rows(x.shape[-1], torch.float32), w)
 
 
 def _one_row_form(x: torch.Tensor, w: torch.Tensor) -> Callable[..., torch.Tensor]:

@@ -35,8 +35,9 @@ product, the same kernels' GEMM (``native/wide_rows.h``: the weights
 dequantized to bf16 a block of rows at a time, torchao's rounding); otherwise
 what a GEMM needs (int8: the weight dequantised, then ``mm``, torchao's own
 form; int4: each nibble half dequantised, then two ``mm``; on CPU a
-cache-sized block of weight rows at a time, ``block_rows``). Elsewhere the
-wider form serves every width.
+cache-sized block of weight rows at a time, ``block_rows``; the ``mm`` in fp32
+where the CPU has no native GEMM for the activations' dtype, ``gemm.py``).
+Elsewhere the wider form serves every width.
 
 Why the reductions are shaped as they are (inductor's C++ backend; kernels
 measured by ``benchmarks/cpu/quant_gemv.py``): the inner dim of each reduction
@@ -57,6 +58,7 @@ import torch
 from torch import fx
 
 import offgraph_kv.backend.cpu_kernels  # noqa: F401  (registers the offgraph_kv::*_linear_rows kernels)
+from offgraph_kv.backend.gemm import gemm
 from offgraph_kv.backend.width_branch import by_width
 
 # --------------------------------------------------------------------------- #
@@ -243,7 +245,7 @@ def block_rows(k: int, dtype: torch.dtype) -> int:
     return 1 << (rows.bit_length() - 1)
 
 
-def _in_row_blocks(form: Callable[..., torch.Tensor], x: torch.Tensor, block: Optional[int],
+def in_row_blocks(form: Callable[..., torch.Tensor], x: torch.Tensor, block: Optional[int],
                    *weights: Optional[torch.Tensor]) -> torch.Tensor:
     """``form(x, *weights)`` over blocks of ``block`` output rows (``None``: all at once), concatenated."""
     n = weights[0].shape[0]
@@ -255,14 +257,14 @@ def _in_row_blocks(form: Callable[..., torch.Tensor], x: torch.Tensor, block: Op
 
 def _int8_dequantized_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # torchao's own form: the weight dequantized in fp32 and rounded to x's dtype, then mm.
-    return torch.mm(x, (qdata.float() * scale.float().unsqueeze(-1)).to(x.dtype).t())
+    return gemm(x, (qdata.float() * scale.float().unsqueeze(-1)).to(x.dtype))
 
 
 def int8_many_rows(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                    block: Optional[int] = None) -> torch.Tensor:
     """Wider steps: the weight dequantized (``block`` rows at a time), then ``mm``. (ATen's int8 GEMM,
     which reads the int8 as stored, was 2x slower on a SmolLM2 layer in bf16 and scalar in fp32.)"""
-    return _in_row_blocks(_int8_dequantized_mm, x, block, qdata, scale)
+    return in_row_blocks(_int8_dequantized_mm, x, block, qdata, scale)
 
 
 def _int4_dots(xg: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -301,7 +303,7 @@ def int4_many_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     at a time), each multiplied with the inputs it holds (64 x 1536 x 576 bf16: 0.36 ms, against 0.66
     ms for one interleaved ``[N, K]`` weight, whose select of a nibble per input inductor does not
     vectorise)."""
-    return _in_row_blocks(_int4_halves_mm, x, block, packed, scale, zero)
+    return in_row_blocks(_int4_halves_mm, x, block, packed, scale, zero)
 
 
 def _int4_halves_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
@@ -312,8 +314,8 @@ def _int4_halves_mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     sc = scale.float().unsqueeze(-1)
     lo = (((packed & 15).float() - offset) * sc).to(x.dtype).reshape(n, groups * half)
     hi = (((packed >> 4).float() - offset) * sc).to(x.dtype).reshape(n, groups * half)
-    return (torch.mm(xg[:, :, 0].reshape(-1, groups * half), lo.t())
-            + torch.mm(xg[:, :, 1].reshape(-1, groups * half), hi.t()))
+    return (gemm(xg[:, :, 0].reshape(-1, groups * half), lo)
+            + gemm(xg[:, :, 1].reshape(-1, groups * half), hi))
 
 
 # --------------------------------------------------------------------------- #
