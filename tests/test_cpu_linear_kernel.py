@@ -5,7 +5,8 @@ activations and weights, int8 rows with a scale each, int4 groups with and
 without zero points, input widths off the vector length, output counts off the
 four-output block and on both sides of a thread's share, several rows, strided
 activations. bf16 rows take paths of their own (int4 groups of 32: the bf16 dot
-product, where the CPU has it; int8 rows: int16 blocks, on AVX-512), each
+product, where the CPU has it; int8 rows: int16 blocks, on AVX-512 BW and AVX2;
+int4 groups of 32 and 64: int16 blocks, on AVX2), each
 checked beside the fp32 path (``OFFGRAPH_KV_CPU_BF16_ROWS=fp32``) on group
 counts off its four-group pass and widths off its 64-input block; rows with a
 wide range of magnitudes and rows that are not finite.
@@ -86,9 +87,11 @@ def _expected(args: List[torch.Tensor]) -> List[torch.Tensor]:
 _LIBRARIES: Dict[int, Path] = {}  # group -> the compiled calls' shared object (the runner's own library)
 
 
-@pytest.fixture(scope="module", params=[32, 8], ids=["group32", "group8"])
+@pytest.fixture(scope="module", params=[32, 8, 64], ids=["group32", "group8", "group64"])
 def compiled(request, tmp_path_factory) -> "Tuple[torch._C._aoti.AOTIModelContainerRunnerCpu, int]":
-    group = request.param  # 32: each half-group whole vectors; 8: shorter than a vector (the scalar form)
+    # 32: each half-group whole vectors; 8: shorter than a vector (the scalar form); 64: a group a
+    # whole int16 block (AVX2's integer path)
+    group = request.param
     args = _inputs(2, 4 * group, 12, group, 0)
     r, n = Dim("rows", min=1, max=64), Dim("n", min=1, max=1 << 20)
     kg = Dim("kgroups", min=1, max=4096)

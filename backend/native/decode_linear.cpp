@@ -91,8 +91,8 @@ inline float widen(int8_t q) { return float(q); }
 
 // One row of activations, in the forms the formats read: fp32 (K values), the sum of each int4
 // group's, and, for a bf16 row of finite values only (else null): its values as bf16 in the order Int4Groups' bf16
-// path reads them with that path's offsets (quad_bf16), or as int16 blocks with their scales for
-// Int8Rows' integer path (int16_blocks).
+// path reads them with that path's offsets (quad_bf16), or as int16 blocks with their scales (and, for
+// int4 groups, each group's sum of them) for the integer paths (int16_blocks).
 struct Row {
   const float* __restrict f;
   const float* __restrict group_sums;
@@ -100,6 +100,9 @@ struct Row {
   const float* __restrict quad_offsets;
   const int16_t* __restrict int16;
   const float* __restrict int16_scales;
+  // per int4 group: its int16 block's scale, and that times the sum of its int16 values
+  const float* __restrict int16_group_scales;
+  const float* __restrict int16_group_offsets;
 };
 
 // Whether bf16 rows may take the paths made for them (Int4Groups' bf16 dot products, Int8Rows' int16
@@ -201,6 +204,9 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
 // their sums in a block are exact in int32; each block's sum meets its scale in fp32. Against the fp32
 // path (a widening and a conversion per weight) a SmolLM2 step's int8 linears from memory took 0.7-0.85x
 // the time (`benchmarks/cpu/native/run.sh decode_linear_from_memory`; the memory's rate bounds it).
+// AVX2 has the same int16 products (vpmaddwd) at half the width; there the fp32 path's widening,
+// conversion and FMA per 8 weights bound int8 decode at ~2.4x its read floor (an AMD EPYC, 2026-12-07),
+// and Int4Groups takes the blocks too (AVX2 has no bf16 dot product).
 #if defined(__AVX512BW__)
 #define OFFGRAPH_KV_INT16_BLOCKS 1
 constexpr int64_t kInt16Block = 64;
@@ -243,7 +249,7 @@ inline __m512i int16_products(__m512i acc, __m512i w, __m512i x) {
 
 // One block of 64 weights; `n` < 64: a short last block, masked, against zero padding.
 template <bool kWhole>
-inline __m512 int16_block(const int8_t* w, const int16_t* x, float scale, int64_t n, __m512 acc) {
+inline Vec int16_block(const int8_t* w, const int16_t* x, float scale, int64_t n, Vec acc) {
   __m256i a, b;
   if (kWhole) {
     a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
@@ -255,6 +261,54 @@ inline __m512 int16_block(const int8_t* w, const int16_t* x, float scale, int64_
   const __m512i s = int16_products(int16_products(_mm512_setzero_si512(), _mm512_cvtepi8_epi16(a), _mm512_loadu_si512(x)),
                                    _mm512_cvtepi8_epi16(b), _mm512_loadu_si512(x + 32));
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(scale), acc);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define OFFGRAPH_KV_INT16_BLOCKS 1
+#define OFFGRAPH_KV_INT4_INT16_BLOCKS 1  // AVX2 only: AVX-512 machines take the bf16 dot product or fp32
+constexpr int64_t kInt16Block = 64;
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of a group int4 rows are asked for (as below)
+
+inline int64_t int16_padded(int64_t k) { return (k + kInt16Block - 1) / kInt16Block * kInt16Block; }
+
+// As the AVX-512 form above, a value at a time: once per row of a call, against the N x K weights.
+inline void int16_blocks(const float* f, int64_t k, int16_t* q, float* scales) {
+  for (int64_t b = 0; b * kInt16Block < k; ++b) {
+    const int64_t begin = b * kInt16Block, n = std::min(kInt16Block, k - begin);
+    uint32_t bits = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, f + begin + i, sizeof u);
+      bits = std::max(bits, u & 0x7FFFFFFFu);
+    }
+    const int e = std::max(-100, int(bits >> 23) - 127);
+    scales[b] = std::ldexp(1.f, e - 14);
+    const float inverse = std::ldexp(1.f, 14 - e);
+    for (int64_t i = 0; i < kInt16Block; ++i)  // nearest, ties to even, saturated (as vpmovsdw)
+      q[begin + i] = i < n ? int16_t(std::min(32767.f, std::max(-32768.f, std::nearbyint(f[begin + i] * inverse)))) : 0;
+  }
+}
+
+inline __m256i int16_products(__m256i acc, __m256i w, const int16_t* x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
+}
+
+// One block of 64 weights; `n` < 64: a short last block, its bytes copied beside zeros (a row's last
+// bytes may end the buffer), against zero padding.
+template <bool kWhole>
+inline Vec int16_block(const int8_t* w, const int16_t* x, float scale, int64_t n, Vec acc) {
+  alignas(16) int8_t part[kInt16Block];
+  if (!kWhole) {
+    std::memset(part, 0, sizeof part);
+    std::memcpy(part, w, size_t(n));
+    w = part;
+  }
+  else
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchBytes), _MM_HINT_T0);
+  __m256i s = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c)
+    s = int16_products(s, _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c))),
+                       x + 16 * c);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(scale), acc);
 }
 #endif
 
@@ -316,11 +370,11 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
 #ifdef OFFGRAPH_KV_INT16_BLOCKS
     if (row.int16) {
       // the B rows one after another, their horizontal sums together (as Dense)
-      __m512 sums[B];
+      Vec sums[B];
       const int64_t k = q.k;
       for (int b = 0; b < B; ++b) {
         const int8_t* w = q.w + (n + b) * k;
-        __m512 acc = _mm512_setzero_ps(), other = _mm512_setzero_ps();  // two chains
+        Vec acc = vzero(), other = vzero();  // two chains
         int64_t i = 0;
         for (; i + 2 * kInt16Block <= k; i += 2 * kInt16Block) {
           acc = int16_block<true>(w + i, row.int16 + i, row.int16_scales[i / kInt16Block], kInt16Block, acc);
@@ -330,7 +384,7 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
         for (; i + kInt16Block <= k; i += kInt16Block)
           acc = int16_block<true>(w + i, row.int16 + i, row.int16_scales[i / kInt16Block], kInt16Block, acc);
         if (i < k) acc = int16_block<false>(w + i, row.int16 + i, row.int16_scales[i / kInt16Block], k - i, acc);
-        sums[b] = _mm512_add_ps(acc, other);
+        sums[b] = vadd(acc, other);
       }
       horizontal_sums<B>(sums, out);
     } else
@@ -454,7 +508,14 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
   // The stored nibble less this is q - zero: w = (nibble - offset) * scale.
   int32_t offset(int64_t row, int64_t g) const { return 8 + (zero ? int32_t(zero[row * groups + g]) : 0); }
 
-  bool takes_int16_blocks() const { return false; }
+  // The integer path: each 16-input run of a group's halves in one int16 block (groups of 32 or 64).
+  bool takes_int16_blocks() const {
+#ifdef OFFGRAPH_KV_INT4_INT16_BLOCKS
+    return half % 16 == 0 && kInt16Block % (2 * half) == 0;
+#else
+    return false;
+#endif
+  }
   bool takes_wide() const { return true; }
   int64_t wide_from_rows() const { return 16; }  // as Int8Rows
 #ifdef OFFGRAPH_KV_WIDE_ROWS
@@ -492,6 +553,9 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
       return;
     }
 #endif
+#ifdef OFFGRAPH_KV_INT4_INT16_BLOCKS
+    if (x.int16) return half == 16 ? int16_dots<B, 16>(n, x, out) : int16_dots<B, 32>(n, x, out);
+#endif
 #ifdef OFFGRAPH_KV_VECTOR
     if (half % kLanes == 0) return vector_dots<B>(n, x.f, out);
 #endif
@@ -510,6 +574,61 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
       out[b] = total;
     }
   }
+
+#ifdef OFFGRAPH_KV_INT4_INT16_BLOCKS
+  // The stored nibbles against the row's int16 blocks (vpmaddwd: exact int32 sums, a group's within one
+  // block), each group's sum meeting its scale times its block's in fp32. Those products and the
+  // offset's share (offset x scale x the group's int16 sum x its block's scale) come first for a piece
+  // of groups at a time, in loops of their own (per group in the main loop they were scalar work
+  // beside its dozen vector instructions). The B rows side by side: they share each group's
+  // activation loads and loop, which on rows as short as SmolLM2's (18 groups) cost as much as the
+  // products.
+  template <int B, int64_t H>  // H: half, as a constant (the inner loops unrolled)
+  void int16_dots(int64_t n, const Row& x, float* out) const {
+    constexpr int64_t kPiece = 32;
+    const __m256i nibble = _mm256_set1_epi16(15);
+    alignas(32) float scales[B][kPiece];
+    Vec acc[B];
+    float offsets[B];
+    for (int b = 0; b < B; ++b) acc[b] = vzero(), offsets[b] = 0.f;
+    for (int64_t g0 = 0; g0 < groups; g0 += kPiece) {
+      const int64_t m = std::min(kPiece, groups - g0);
+      for (int b = 0; b < B; ++b) {
+        const int64_t row = n + b;
+        const S* sw = scale + row * groups + g0;
+        float off = 0.f;
+        for (int64_t i = 0; i < m; ++i) scales[b][i] = widen(sw[i]) * x.int16_group_scales[g0 + i];
+        if (zero)
+          for (int64_t i = 0; i < m; ++i) off += widen(sw[i]) * float(offset(row, g0 + i)) * x.int16_group_offsets[g0 + i];
+        else
+          for (int64_t i = 0; i < m; ++i) off += 8.f * widen(sw[i]) * x.int16_group_offsets[g0 + i];
+        offsets[b] += off;
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t g = g0 + i;
+        const int16_t* xlo = x.int16 + g * 2 * H;
+        __m256i t[B];
+        for (int b = 0; b < B; ++b) t[b] = _mm256_setzero_si256();
+        for (int64_t j = 0; j < H; j += 16) {
+          const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xlo + j));
+          const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xlo + H + j));
+#pragma GCC unroll 4
+          for (int b = 0; b < B; ++b) {
+            const uint8_t* p = packed + ((n + b) * groups + g) * H + j;
+            if (j == 0 && (g * H) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes), _MM_HINT_T0);
+            const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+            t[b] = _mm256_add_epi32(t[b], _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, nibble), lo),
+                                                           _mm256_madd_epi16(_mm256_srli_epi16(v, 4), hi)));
+          }
+        }
+#pragma GCC unroll 4
+        for (int b = 0; b < B; ++b) acc[b] = vfma(_mm256_cvtepi32_ps(t[b]), _mm256_broadcast_ss(scales[b] + i), acc[b]);
+      }
+    }
+    horizontal_sums<B>(acc, out);
+    for (int b = 0; b < B; ++b) out[b] -= offsets[b];
+  }
+#endif
 
 #ifdef OFFGRAPH_KV_VECTOR
   // Whole groups of vectors: the offset taken off in integers, each group's dot scaled into one of
@@ -561,7 +680,7 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
 
 // The activations of all a call's rows, in every form the format reads (Row), prepared once.
 struct Rows {
-  std::vector<float> f, group_sums, quad_offsets, int16_scales;
+  std::vector<float> f, group_sums, quad_offsets, int16_scales, int16_group_scales, int16_group_offsets;
   std::vector<uint16_t> quad_words;
   std::vector<int16_t> int16;
   std::vector<char> finite;  // per row: all its values are (else the fp32 path carries Inf / NaN through)
@@ -575,7 +694,9 @@ struct Rows {
             quads ? quad_words.data() + r * quad_stride : nullptr,
             quads ? quad_offsets.data() + r * offset_stride : nullptr,
             blocks ? int16.data() + r * int16_stride : nullptr,
-            blocks ? int16_scales.data() + r * scale_stride : nullptr};
+            blocks ? int16_scales.data() + r * scale_stride : nullptr,
+            blocks && groups ? int16_group_scales.data() + r * groups : nullptr,
+            blocks && groups ? int16_group_offsets.data() + r * groups : nullptr};
   }
 };
 
@@ -622,6 +743,18 @@ Rows prepare(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, 
       if (a.finite[r])
         int16_blocks(a.f.data() + r * k, k, a.int16.data() + r * a.int16_stride,
                      a.int16_scales.data() + r * a.scale_stride);
+    if (a.groups) {
+      a.int16_group_scales.resize(rows * a.groups);
+      a.int16_group_offsets.resize(rows * a.groups);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < a.groups; ++g) {
+          int32_t sum = 0;  // at most 64 x 2^15: exact in an int32 and in a float
+          for (int64_t i = 0; i < group; ++i) sum += a.int16[r * a.int16_stride + g * group + i];
+          const float block = a.int16_scales[r * a.scale_stride + g * group / kInt16Block];
+          a.int16_group_scales[r * a.groups + g] = block;
+          a.int16_group_offsets[r * a.groups + g] = block * float(sum);  // a power of two: exact
+        }
+    }
   }
 #endif
   return a;
