@@ -100,9 +100,7 @@ struct Row {
   const float* __restrict quad_offsets;
   const int16_t* __restrict int16;
   const float* __restrict int16_scales;
-  // per int4 group: its int16 block's scale, and that times the sum of its int16 values
-  const float* __restrict int16_group_scales;
-  const float* __restrict int16_group_offsets;
+  const float* __restrict int16_group_offsets;  // per int4 group: its block's scale x its int16 values' sum
 };
 
 // Whether bf16 rows may take the paths made for them (Int4Groups' bf16 dot products, Int8Rows' int16
@@ -207,11 +205,14 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
 // AVX2 has the same int16 products (vpmaddwd) at half the width; there the fp32 path's widening,
 // conversion and FMA per 8 weights bound int8 decode at ~2.4x its read floor (an AMD EPYC, 2026-12-07),
 // and Int4Groups takes the blocks too (AVX2 has no bf16 dot product).
+constexpr int64_t kInt16Block = 64;
+inline int64_t int16_padded(int64_t k) { return (k + kInt16Block - 1) / kInt16Block * kInt16Block; }
+// How far ahead of a pass each row's bytes are asked for where the arithmetic keeps the hardware
+// prefetcher behind (from memory, 2-3 KB ahead took 0.8-0.85x the time of none; 0.5 KB no gain).
+constexpr int64_t kPrefetchBytes = 2048;
+
 #if defined(__AVX512BW__)
 #define OFFGRAPH_KV_INT16_BLOCKS 1
-constexpr int64_t kInt16Block = 64;
-
-inline int64_t int16_padded(int64_t k) { return (k + kInt16Block - 1) / kInt16Block * kInt16Block; }
 
 // Row::int16 (padded with zeros to whole blocks) and Row::int16_scales from one row's fp32 values
 // `f` (k of them, all finite). Positive floats order as their bit patterns do, so the largest |x| is
@@ -265,10 +266,6 @@ inline Vec int16_block(const int8_t* w, const int16_t* x, float scale, int64_t n
 #elif defined(__AVX2__) && defined(__FMA__)
 #define OFFGRAPH_KV_INT16_BLOCKS 1
 #define OFFGRAPH_KV_INT4_INT16_BLOCKS 1  // AVX2 only: AVX-512 machines take the bf16 dot product or fp32
-constexpr int64_t kInt16Block = 64;
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of a group int4 rows are asked for (as below)
-
-inline int64_t int16_padded(int64_t k) { return (k + kInt16Block - 1) / kInt16Block * kInt16Block; }
 
 // As the AVX-512 form above, a value at a time: once per row of a call, against the N x K weights.
 inline void int16_blocks(const float* f, int64_t k, int16_t* q, float* scales) {
@@ -412,9 +409,6 @@ constexpr int64_t kQuadGroup = 32;                 // the group width the bf16 p
 constexpr int64_t kQuadWords = 4 * kQuadGroup;     // activations a pass (four groups)
 constexpr int64_t kQuadFloats = 16;                // the offset's share a pass, one per fp32 lane
 constexpr float kNibbleOffset = 24.f;              // (16 + n) - (n - 8)
-// How far ahead of a pass each row's bytes are asked for: the arithmetic keeps the hardware
-// prefetcher behind (from memory, 2-3 KB ahead took 0.8-0.85x the time of none; 0.5 KB no gain).
-constexpr int64_t kPrefetchBytes = 2048;
 
 inline bool has_bf16_dots() {
   static const bool cpu = [] {
@@ -597,11 +591,10 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
         const int64_t row = n + b;
         const S* sw = scale + row * groups + g0;
         float off = 0.f;
-        for (int64_t i = 0; i < m; ++i) scales[b][i] = widen(sw[i]) * x.int16_group_scales[g0 + i];
-        if (zero)
-          for (int64_t i = 0; i < m; ++i) off += widen(sw[i]) * float(offset(row, g0 + i)) * x.int16_group_offsets[g0 + i];
-        else
-          for (int64_t i = 0; i < m; ++i) off += 8.f * widen(sw[i]) * x.int16_group_offsets[g0 + i];
+        for (int64_t i = 0; i < m; ++i) {
+          scales[b][i] = widen(sw[i]) * x.int16_scales[(g0 + i) * 2 * H / kInt16Block];
+          off += widen(sw[i]) * float(offset(row, g0 + i)) * x.int16_group_offsets[g0 + i];
+        }
         offsets[b] += off;
       }
       for (int64_t i = 0; i < m; ++i) {
@@ -680,7 +673,7 @@ struct Int4Groups {  // packed [N, K/G, G/2] uint8 (low nibble: input j, high: j
 
 // The activations of all a call's rows, in every form the format reads (Row), prepared once.
 struct Rows {
-  std::vector<float> f, group_sums, quad_offsets, int16_scales, int16_group_scales, int16_group_offsets;
+  std::vector<float> f, group_sums, quad_offsets, int16_scales, int16_group_offsets;
   std::vector<uint16_t> quad_words;
   std::vector<int16_t> int16;
   std::vector<char> finite;  // per row: all its values are (else the fp32 path carries Inf / NaN through)
@@ -695,7 +688,6 @@ struct Rows {
             quads ? quad_offsets.data() + r * offset_stride : nullptr,
             blocks ? int16.data() + r * int16_stride : nullptr,
             blocks ? int16_scales.data() + r * scale_stride : nullptr,
-            blocks && groups ? int16_group_scales.data() + r * groups : nullptr,
             blocks && groups ? int16_group_offsets.data() + r * groups : nullptr};
   }
 };
@@ -744,14 +736,12 @@ Rows prepare(const X* x, int64_t x_row, int64_t x_col, int64_t rows, int64_t k, 
         int16_blocks(a.f.data() + r * k, k, a.int16.data() + r * a.int16_stride,
                      a.int16_scales.data() + r * a.scale_stride);
     if (a.groups) {
-      a.int16_group_scales.resize(rows * a.groups);
       a.int16_group_offsets.resize(rows * a.groups);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < a.groups; ++g) {
           int32_t sum = 0;  // at most 64 x 2^15: exact in an int32 and in a float
           for (int64_t i = 0; i < group; ++i) sum += a.int16[r * a.int16_stride + g * group + i];
           const float block = a.int16_scales[r * a.scale_stride + g * group / kInt16Block];
-          a.int16_group_scales[r * a.groups + g] = block;
           a.int16_group_offsets[r * a.groups + g] = block * float(sum);  // a power of two: exact
         }
     }
