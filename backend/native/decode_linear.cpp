@@ -138,6 +138,13 @@ __attribute__((always_inline)) inline void horizontal_sums(const Vec* sums, floa
 }
 #endif
 
+// fp32 rows ask for their bytes 1 KB ahead into L2: from memory, a SmolLM2 step's fp32 linears took
+// 1.35-1.40x the time of reading the same bytes in order without it and 1.07-1.10x with it (AMD EPYC
+// Zen 4, `benchmarks/cpu/native/run.sh decode_linear_from_memory`, medians of 5-6 runs in turns; 0.5
+// to 2 KB alike; into L1 instead, 1.15-1.25x). bf16 rows gained nothing within the noise, so they
+// leave it to the hardware.
+constexpr int64_t kDensePrefetchBytes = 1024;
+
 template <typename W>
 struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int8Rows applies)
   const W* w;
@@ -184,7 +191,12 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
     int64_t x = 0;
     for (; x + kLanes <= k; x += kLanes) {
       const Vec xv = vload(xf + x);
-      for (int b = 0; b < B; ++b) sums[b] = vfma(vload(w + (n + b) * k + x), xv, sums[b]);
+      for (int b = 0; b < B; ++b) {
+        const W* at = w + (n + b) * k + x;
+        if (sizeof(W) == 4 && (x * 4) % 64 == 0)  // once a cache line
+          _mm_prefetch(reinterpret_cast<const char*>(at) + kDensePrefetchBytes, _MM_HINT_T1);
+        sums[b] = vfma(vload(at), xv, sums[b]);
+      }
     }
     for (int b = 0; b < B; ++b) {
       tails[b] = 0.f;

@@ -1,4 +1,4 @@
-// Random weights of a list of [N, K] linears in each format a program stores: bf16; int8 with a bf16
+// Random weights of a list of [N, K] linears in each format a program stores: fp32; bf16; int8 with a bf16
 // scale per output row; int4 two a byte in groups of kGroup with a bf16 scale per group. Shared by the
 // linear harnesses; included after KERNEL_SOURCE (which brings Bf16 and from_float).
 #pragma once
@@ -17,6 +17,7 @@ inline std::vector<std::pair<int64_t, int64_t>> smollm2_layer() {
 
 struct LinearWeights {
   std::vector<std::pair<int64_t, int64_t>> nk;
+  std::vector<std::vector<float>> dense32;  // the bf16 weights' values in fp32
   std::vector<std::vector<Bf16>> dense, row_scale, group_scale;
   std::vector<std::vector<int8_t>> int8;
   std::vector<std::vector<uint8_t>> nibbles;
@@ -32,6 +33,8 @@ inline LinearWeights random_weights(const std::vector<std::pair<int64_t, int64_t
   for (const auto& [n, k] : nk) {
     w.dense.emplace_back(n * k);
     for (auto& e : w.dense.back()) from_float(uniform(g), &e);
+    w.dense32.emplace_back(n * k);
+    for (int64_t i = 0; i < n * k; ++i) w.dense32.back()[i] = widen(w.dense.back()[i]);
     w.int8.emplace_back(n * k);
     for (auto& e : w.int8.back()) e = int8_t(g() % 255) - 127;
     w.row_scale.emplace_back(n);
