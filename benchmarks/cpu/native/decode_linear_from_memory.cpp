@@ -4,7 +4,8 @@
 // format a program stores: fp32 (fp32 activations), bf16, int8 (a bf16 scale per row) and int4
 // (groups of 32, a bf16 scale per group; these three with bf16 activations), in turns. Each is
 // beside the floor: the same bytes read once in order (fp32 and bf16 weights summed as integers).
-// HELPERS=n shares the rows with n helper threads (shared_rows.h), as a decode step does. Built and run by benchmarks/cpu/native/run.sh.
+// HELPERS=n shares the rows with n helper threads (shared_rows.h), as a decode step does. Built and
+// run by benchmarks/cpu/native/run.sh.
 #include KERNEL_SOURCE
 
 #include "linear_weights.h"
