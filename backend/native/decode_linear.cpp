@@ -138,12 +138,16 @@ __attribute__((always_inline)) inline void horizontal_sums(const Vec* sums, floa
 }
 #endif
 
-// fp32 rows ask for their bytes 1 KB ahead into L2: from memory, a SmolLM2 step's fp32 linears took
-// 1.35-1.40x the time of reading the same bytes in order without it and 1.07-1.10x with it (AMD EPYC
-// Zen 4, `benchmarks/cpu/native/run.sh decode_linear_from_memory`, medians of 5-6 runs in turns; 0.5
-// to 2 KB alike; into L1 instead, 1.15-1.25x). bf16 rows gained nothing within the noise, so they
-// leave it to the hardware.
-constexpr int64_t kDensePrefetchBytes = 1024;
+// Rows ask for their bytes ahead into L2, once a cache line: fp32 rows 1 KB ahead, 16-bit rows (and
+// the int4 bf16 path's groups, kQuadPrefetchBytes) 8 KB. From memory, a SmolLM2 step's fp32 linears
+// took 1.35-1.40x the time of reading the same bytes in order without it and 1.07-1.10x with it (0.5
+// to 2 KB alike; 8 KB 1.15x; into L1 instead, 1.15-1.25x); its bf16 linears 1.13-1.39x without (the
+// runs were bimodal), 1.37-1.39x 2 KB ahead, 1.04-1.05x 8 KB ahead, 1.02-1.07x 16 KB (AMD EPYC Zen 4,
+// `benchmarks/cpu/native/run.sh decode_linear_from_memory`, medians of 4-6 runs in turns).
+template <typename W>
+constexpr int64_t dense_prefetch_bytes() {
+  return sizeof(W) == 4 ? 1024 : 8192;
+}
 
 template <typename W>
 struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int8Rows applies)
@@ -193,8 +197,8 @@ struct Dense {  // fp32 / bf16 / fp16 weights [N, K] (and int8, whose scales Int
       const Vec xv = vload(xf + x);
       for (int b = 0; b < B; ++b) {
         const W* at = w + (n + b) * k + x;
-        if (sizeof(W) == 4 && (x * 4) % 64 == 0)  // once a cache line
-          _mm_prefetch(reinterpret_cast<const char*>(at) + kDensePrefetchBytes, _MM_HINT_T1);
+        if (sizeof(W) > 1 && (x * int64_t(sizeof(W))) % 64 == 0)  // once a cache line (int8: as found)
+          _mm_prefetch(reinterpret_cast<const char*>(at) + dense_prefetch_bytes<W>(), _MM_HINT_T1);
         sums[b] = vfma(vload(at), xv, sums[b]);
       }
     }
@@ -418,11 +422,10 @@ struct Int8Rows {  // int8 weights [N, K], one scale per output row
 #if defined(__AVX512F__) && defined(__GNUC__)
 #define OFFGRAPH_KV_BF16_DOTS 1
 constexpr int64_t kQuadGroup = 32;                 // the group width the bf16 path takes
-// The bf16 path asks for each row's bytes 8 KB ahead into L2: its arithmetic leaves the memory idle
-// between bursts, and from memory a SmolLM2 step's int4 linears took 0.035 ns a weight this way
-// against 0.040 with kPrefetchBytes into L1 (1 KB: 0.045; 4 KB: 0.038; 12-32 KB: 0.036-0.038; AMD
-// EPYC Zen 4, medians of 4 runs in turns).
-constexpr int64_t kQuadPrefetchBytes = 8192;
+// The bf16 path asks for each row's bytes 8 KB ahead into L2, as 16-bit rows do (Dense): from memory
+// a SmolLM2 step's int4 linears took 0.035 ns a weight this way against 0.040 with kPrefetchBytes
+// into L1 (1 KB: 0.045; 4 KB: 0.038; 12-32 KB: 0.036-0.038; AMD EPYC Zen 4, medians of 4 runs in turns).
+constexpr int64_t kQuadPrefetchBytes = dense_prefetch_bytes<Bf16>();
 constexpr int64_t kQuadWords = 4 * kQuadGroup;     // activations a pass (four groups)
 constexpr int64_t kQuadFloats = 16;                // the offset's share a pass, one per fp32 lane
 constexpr float kNibbleOffset = 24.f;              // (16 + n) - (n - 8)
