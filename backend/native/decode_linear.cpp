@@ -328,7 +328,7 @@ inline Vec int16_block(const int8_t* w, const int16_t* x, float scale, int64_t n
 #ifdef OFFGRAPH_KV_WIDE_ROWS
 // Weight rows dequantized to bf16 for wide steps (wide_rows.h), as torchao's dequantize computes them:
 // the value times its scale in fp32, then rounded to bf16.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void int8_bf16_row(const int8_t* q, int64_t k,
+OFFGRAPH_KV_BF16_TARGET inline void int8_bf16_row(const int8_t* q, int64_t k,
                                                                                           float scale, uint16_t* out) {
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < k; i += 16) {
@@ -339,7 +339,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void int8
 }
 
 // One int4 group (its `half` bytes: inputs j in the low nibbles, j + half in the high ones).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void int4_bf16_group(
+OFFGRAPH_KV_BF16_TARGET inline void int4_bf16_group(
     const uint8_t* p, int64_t half, int32_t offset, float scale, uint16_t* out) {
   const __m512 s = _mm512_set1_ps(scale);
   const __m512i off = _mm512_set1_epi32(offset), low = _mm512_set1_epi32(15);
@@ -465,7 +465,7 @@ inline __m128 four_scales(const Bf16* s) {
 }
 inline __m128 four_scales(const float* s) { return _mm_loadu_ps(s); }
 inline __m128 four_scales(const Half* s) { return _mm_setr_ps(widen(s[0]), widen(s[1]), widen(s[2]), widen(s[3])); }
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 quad_scales(const Bf16* s, int64_t n) {
+OFFGRAPH_KV_BF16_TARGET inline __m512 quad_scales(const Bf16* s, int64_t n) {
   const __m512i four = _mm512_broadcastq_epi64(n == 4 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))
                                                        : _mm_maskz_loadu_epi16(__mmask8((1u << n) - 1), s));
   // the four in every lane, then lane L's dwords take bytes 2L, 2L + 1 as their high half, zeros
@@ -476,68 +476,91 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 qu
   return _mm512_castsi512_ps(_mm512_shuffle_epi8(four, pick));
 }
 template <typename S>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m512 quad_scales(const S* s, int64_t n) {
+OFFGRAPH_KV_BF16_TARGET inline __m512 quad_scales(const S* s, int64_t n) {
   const __m128 four = n == 4 ? four_scales(s)
                              : _mm_setr_ps(widen(s[0]), n > 1 ? widen(s[1]) : 0.f, n > 2 ? widen(s[2]) : 0.f, 0.f);
   const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   return _mm512_permutexvar_ps(lanes, _mm512_castps128_ps512(four));
 }
 
-// A last pass of one or two groups at half the width (lanes 0-1: the registers' low halves), at half
-// a 512-bit pass's cost on Zen 4: rows of 576 inputs (18 groups) end with such a pass. With the
-// offsets folded in above and the scales' two instructions, a SmolLM2 step's int4 linears in cache
-// took 0.025 ns a weight against 0.030 before.
-template <int R, typename S>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void int4_bf16_half_pass(
-    const uint8_t* __restrict p, int64_t row_bytes, const S* __restrict scale, int64_t groups,
-    const uint16_t* __restrict xw, const float* __restrict xo, int64_t here, __m512* acc) {
-  const __m256i mantissa = _mm256_set1_epi8(0x78), high = _mm256_set1_epi8(0x41), top = _mm256_set1_epi8(char(0x80));
-  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw)),
-                x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + 32)),
-                x2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + 64)),
-                x3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xw + 96));
-  const __m256 offsets = _mm256_loadu_ps(xo);
-  const __mmask32 bytes = here == 2 ? ~__mmask32(0) : __mmask32((1u << (kQuadGroup / 2)) - 1);
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    _mm_prefetch(reinterpret_cast<const char*>(p + r * row_bytes + kQuadPrefetchBytes), _MM_HINT_T1);
-    const __m256i b = _mm256_maskz_loadu_epi8(bytes, p + r * row_bytes);
-    const __m256i lo = _mm256_ternarylogic_epi32(_mm256_slli_epi16(b, 3), mantissa, top, 0xEA);
-    const __m256i hi = _mm256_ternarylogic_epi32(_mm256_srli_epi16(b, 1), mantissa, top, 0xEA);
-    __m256 t = _mm256_dpbf16_ps(offsets, (__m256bh)_mm256_unpacklo_epi8(lo, high), (__m256bh)x0);
-    __m256 u = _mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)_mm256_unpackhi_epi8(lo, high), (__m256bh)x1);
-    t = _mm256_dpbf16_ps(t, (__m256bh)_mm256_unpacklo_epi8(hi, high), (__m256bh)x2);
-    u = _mm256_dpbf16_ps(u, (__m256bh)_mm256_unpackhi_epi8(hi, high), (__m256bh)x3);
-    const __m256 dots = _mm256_mul_ps(_mm256_add_ps(t, u), _mm512_castps512_ps256(quad_scales(scale + r * groups, here)));
-    acc[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(dots));
+// A pass's vector operations at two widths: 512 bits (up to four groups, one per 128-bit lane) and
+// 256 bits (lanes 0-1, the registers' low halves: rows of 576 inputs, 18 groups, end with one or two
+// groups, and a half-width pass costs half a 512-bit one on Zen 4). The layouts of Row::bf16_quads
+// and the packed bytes are lane-wise, so a 256-bit load reads the first two groups' share.
+struct Lanes4 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int64_t kGroups = 4;
+  OFFGRAPH_KV_BF16_TARGET static I splat(char c) { return _mm512_set1_epi8(c); }
+  OFFGRAPH_KV_BF16_TARGET static I words(const uint16_t* x) { return _mm512_loadu_si512(x); }
+  OFFGRAPH_KV_BF16_TARGET static F floats(const float* x) { return _mm512_loadu_ps(x); }
+  OFFGRAPH_KV_BF16_TARGET static I bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  OFFGRAPH_KV_BF16_TARGET static I bytes(const uint8_t* p, int64_t groups) {
+    return _mm512_maskz_loadu_epi8((__mmask64(1) << (groups * kQuadGroup / 2)) - 1, p);
   }
-}
+  OFFGRAPH_KV_BF16_TARGET static I shl3(I b) { return _mm512_slli_epi16(b, 3); }
+  OFFGRAPH_KV_BF16_TARGET static I shr1(I b) { return _mm512_srli_epi16(b, 1); }
+  OFFGRAPH_KV_BF16_TARGET static I select(I a, I m, I c) { return _mm512_ternarylogic_epi32(a, m, c, 0xEA); }
+  OFFGRAPH_KV_BF16_TARGET static I unpacklo(I a, I b) { return _mm512_unpacklo_epi8(a, b); }
+  OFFGRAPH_KV_BF16_TARGET static I unpackhi(I a, I b) { return _mm512_unpackhi_epi8(a, b); }
+  OFFGRAPH_KV_BF16_TARGET static F zero() { return _mm512_setzero_ps(); }
+  OFFGRAPH_KV_BF16_TARGET static F dot(F acc, I w, I x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  OFFGRAPH_KV_BF16_TARGET static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  OFFGRAPH_KV_BF16_TARGET static __m512 add_scaled(__m512 acc, F dots, __m512 scales) {
+    return _mm512_fmadd_ps(dots, scales, acc);
+  }
+};
+struct Lanes2 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int64_t kGroups = 2;
+  OFFGRAPH_KV_BF16_TARGET static I splat(char c) { return _mm256_set1_epi8(c); }
+  OFFGRAPH_KV_BF16_TARGET static I words(const uint16_t* x) { return _mm256_loadu_si256(reinterpret_cast<const I*>(x)); }
+  OFFGRAPH_KV_BF16_TARGET static F floats(const float* x) { return _mm256_loadu_ps(x); }
+  OFFGRAPH_KV_BF16_TARGET static I bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+  OFFGRAPH_KV_BF16_TARGET static I bytes(const uint8_t* p, int64_t groups) {
+    return _mm256_maskz_loadu_epi8(__mmask32((uint64_t(1) << (groups * kQuadGroup / 2)) - 1), p);
+  }
+  OFFGRAPH_KV_BF16_TARGET static I shl3(I b) { return _mm256_slli_epi16(b, 3); }
+  OFFGRAPH_KV_BF16_TARGET static I shr1(I b) { return _mm256_srli_epi16(b, 1); }
+  OFFGRAPH_KV_BF16_TARGET static I select(I a, I m, I c) { return _mm256_ternarylogic_epi32(a, m, c, 0xEA); }
+  OFFGRAPH_KV_BF16_TARGET static I unpacklo(I a, I b) { return _mm256_unpacklo_epi8(a, b); }
+  OFFGRAPH_KV_BF16_TARGET static I unpackhi(I a, I b) { return _mm256_unpackhi_epi8(a, b); }
+  OFFGRAPH_KV_BF16_TARGET static F zero() { return _mm256_setzero_ps(); }
+  OFFGRAPH_KV_BF16_TARGET static F dot(F acc, I w, I x) { return _mm256_dpbf16_ps(acc, (__m256bh)w, (__m256bh)x); }
+  OFFGRAPH_KV_BF16_TARGET static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  OFFGRAPH_KV_BF16_TARGET static __m512 add_scaled(__m512 acc, F dots, __m512 scales) {
+    return _mm512_add_ps(acc, _mm512_zextps256_ps512(_mm256_mul_ps(dots, _mm512_castps512_ps256(scales))));
+  }
+};
 
-// One pass (four groups) of R rows into acc; a last pass of `here` < 4 groups (Full false) reads
+// One pass (V::kGroups groups) of R rows into acc; a last pass of `here` groups (Full false) reads
 // zero bytes past them, against zero activations, offsets and scales. Full passes are their own
-// loop, without a branch on `here` per row.
-template <int R, bool Full, typename S>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void int4_bf16_pass(
-    const uint8_t* __restrict p, int64_t row_bytes, const S* __restrict scale, int64_t groups,
-    const uint16_t* __restrict xw, const float* __restrict xo, int64_t here, __m512* acc) {
-  const __m512i mantissa = _mm512_set1_epi8(0x78), high = _mm512_set1_epi8(0x41), top = _mm512_set1_epi8(char(0x80));
-  const __m512i x0 = _mm512_loadu_si512(xw), x1 = _mm512_loadu_si512(xw + 32), x2 = _mm512_loadu_si512(xw + 64),
-                x3 = _mm512_loadu_si512(xw + 96);
-  const __m512 offsets = _mm512_loadu_ps(xo);
+// loop, without a branch on `here` per row. With the offsets folded into the first dot, the scales'
+// two instructions and the 256-bit last pass, a SmolLM2 step's int4 linears in cache took 0.025 ns a
+// weight against 0.030 before.
+template <typename V, int R, bool Full, typename S>
+OFFGRAPH_KV_BF16_TARGET inline void int4_bf16_pass(const uint8_t* __restrict p, int64_t row_bytes,
+                                                   const S* __restrict scale, int64_t groups,
+                                                   const uint16_t* __restrict xw, const float* __restrict xo,
+                                                   int64_t here, __m512* acc) {
+  using I = typename V::I;
+  using F = typename V::F;
+  const I mantissa = V::splat(0x78), high = V::splat(0x41), top = V::splat(char(0x80));
+  const I x0 = V::words(xw), x1 = V::words(xw + 32), x2 = V::words(xw + 64), x3 = V::words(xw + 96);
+  const F offsets = V::floats(xo);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     const uint8_t* pr = p + r * row_bytes;
     _mm_prefetch(reinterpret_cast<const char*>(pr + kQuadPrefetchBytes), _MM_HINT_T1);
-    const __m512i b = Full ? _mm512_loadu_si512(pr)
-                           : _mm512_maskz_loadu_epi8((__mmask64(1) << (here * kQuadGroup / 2)) - 1, pr);
+    const I b = Full ? V::bytes(pr) : V::bytes(pr, here);
     // low bytes of the words: 0x80 | n << 3 (0xEA: (a & b) | c)
-    const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(b, 3), mantissa, top, 0xEA);
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 1), mantissa, top, 0xEA);
-    __m512 t = _mm512_dpbf16_ps(offsets, (__m512bh)_mm512_unpacklo_epi8(lo, high), (__m512bh)x0);
-    __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_unpackhi_epi8(lo, high), (__m512bh)x1);
-    t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_unpacklo_epi8(hi, high), (__m512bh)x2);
-    u = _mm512_dpbf16_ps(u, (__m512bh)_mm512_unpackhi_epi8(hi, high), (__m512bh)x3);
-    acc[r] = _mm512_fmadd_ps(_mm512_add_ps(t, u), quad_scales(scale + r * groups, Full ? 4 : here), acc[r]);
+    const I lo = V::select(V::shl3(b), mantissa, top), hi = V::select(V::shr1(b), mantissa, top);
+    F t = V::dot(offsets, V::unpacklo(lo, high), x0);
+    F u = V::dot(V::zero(), V::unpackhi(lo, high), x1);
+    t = V::dot(t, V::unpacklo(hi, high), x2);
+    u = V::dot(u, V::unpackhi(hi, high), x3);
+    acc[r] = V::add_scaled(acc[r], V::add(t, u), quad_scales(scale + r * groups, Full ? V::kGroups : here));
   }
 }
 
@@ -546,7 +569,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void int4
 // loads, and one transposing sum ends all four: on rows as short as SmolLM2's (576 inputs, 4.5
 // passes), one row at a time spent ~40 % of its time on the horizontal sum and the per-row work.
 template <int R, typename S>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void int4_bf16_dots(
+OFFGRAPH_KV_BF16_TARGET void int4_bf16_dots(
     const uint8_t* __restrict p, const S* __restrict scale, const uint16_t* __restrict xw,
     const float* __restrict xo, int64_t groups, float* out) {
   const int64_t row_bytes = groups * kQuadGroup / 2;
@@ -554,9 +577,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void int4_bf16_d
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   int64_t g = 0;
   for (; g + 4 <= groups; g += 4, p += 2 * kQuadGroup, xw += kQuadWords, xo += kQuadFloats)
-    int4_bf16_pass<R, true>(p, row_bytes, scale + g, groups, xw, xo, 4, acc);
-  if (groups - g > 2) int4_bf16_pass<R, false>(p, row_bytes, scale + g, groups, xw, xo, groups - g, acc);
-  else if (g < groups) int4_bf16_half_pass<R>(p, row_bytes, scale + g, groups, xw, xo, groups - g, acc);
+    int4_bf16_pass<Lanes4, R, true>(p, row_bytes, scale + g, groups, xw, xo, 4, acc);
+  if (groups - g > Lanes2::kGroups)
+    int4_bf16_pass<Lanes4, R, false>(p, row_bytes, scale + g, groups, xw, xo, groups - g, acc);
+  else if (g < groups)
+    int4_bf16_pass<Lanes2, R, false>(p, row_bytes, scale + g, groups, xw, xo, groups - g, acc);
   horizontal_sums<R>(acc, out);
 }
 #endif

@@ -32,6 +32,9 @@
 #if defined(__AVX512F__) && defined(__GNUC__)
 #include <immintrin.h>
 #define OFFGRAPH_KV_WIDE_ROWS 1
+// The bf16 dot product is not among every AVX-512 build's flags: the functions using it carry its
+// target themselves, and their callers ask the CPU first (has_bf16_dots; wide steps at export).
+#define OFFGRAPH_KV_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #endif
 
 #ifdef _OPENMP
@@ -71,7 +74,7 @@ inline RowPairs row_pairs(const Bf16* x, int64_t x_row, int64_t x_col, int64_t r
 // tile[o][16 v + i] = sum over pairs of weight row o's pair . activation row 16 v + i's, for NR weight
 // rows (w: their first, `stride` words apart) and MV vectors of rows (x: the first's words).
 template <int NR, int MV>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void wide_tile(const uint32_t* __restrict x, int64_t pairs,
+OFFGRAPH_KV_BF16_TARGET void wide_tile(const uint32_t* __restrict x, int64_t pairs,
                                                                       const uint32_t* __restrict w, int64_t stride,
                                                                       float* tile) {
   __m512 acc[NR][MV];
@@ -139,7 +142,7 @@ void wide_rows(const RowPairs& a, int64_t rows, int64_t k, int64_t outputs, cons
 }
 
 // Dequantization into bf16 rows, 16 values at a time: v (fp32) times a scale, rounded to nearest even.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void bf16_store(uint16_t* out, __m512 v,
+OFFGRAPH_KV_BF16_TARGET inline void bf16_store(uint16_t* out, __m512 v,
                                                                               __mmask16 keep = 0xFFFF) {
   _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
 }
