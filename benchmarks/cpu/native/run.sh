@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU kernels alone, outside a compiled program: a kernel of the working tree against the same
 # file at another git revision, in turns (shared cores drift; turns make it land on both alike).
-#   bash benchmarks/cpu/native/run.sh attention_from_memory REV [rounds]   # rows_attention.cpp (decode)
+#   bash benchmarks/cpu/native/run.sh attention_from_memory REV [rounds [rows]] # rows_attention.cpp (decode)
 #   bash benchmarks/cpu/native/run.sh wide_attention REV [rounds]          # rows_attention.cpp (64-wide steps)
 #   bash benchmarks/cpu/native/run.sh dynamic_linear_rows REV [rounds]     # dynamic_linear.cpp
 #   bash benchmarks/cpu/native/run.sh decode_linear_from_memory REV [rounds] # decode_linear.cpp (bf16, int8, int4)
@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 bench=$1 rev=$2 rounds=${3:-3}
+shift $(($# < 3 ? $# : 3))  # the rest goes to the benchmark
 case $bench in
   attention_from_memory | wide_attention) source=backend/native/rows_attention.cpp ;;
   dynamic_linear_rows) source=backend/native/dynamic_linear.cpp ;;
@@ -31,5 +32,5 @@ for which in before after; do
       benchmarks/cpu/native/shim_stubs.cpp -o "$work/$which" 2>&1 | grep -E "error" || true
 done
 for i in $(seq "$rounds"); do
-  for which in before after; do echo "$which ($([ $which = before ] && echo "$rev" || echo working tree)):"; OMP_NUM_THREADS=1 "$work/$which"; done
+  for which in before after; do echo "$which ($([ $which = before ] && echo "$rev" || echo working tree)):"; OMP_NUM_THREADS=1 "$work/$which" "$@"; done
 done
