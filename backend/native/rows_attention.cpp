@@ -54,12 +54,6 @@ constexpr int64_t kBlock = 64;           // rows per softmax block
 constexpr int64_t kRowsPerThread = 512;  // a thread below this costs more than it reads
 constexpr int64_t kKeysPerPass = 4;      // keys whose dots share each query load
 constexpr int64_t kRun = 16;             // rows taken for every head before the next rows
-// How far ahead rows are asked for (prefetch_rows), the first ones before anything is read: from
-// memory, a SmolLM2 step's attention over 200 rows took 0.79 ms (fp32) / 0.42 ms (bf16) with 32,
-// against 0.95 / 0.57 ms with the next block's rows asked for a block ahead and the first block not
-// at all (16: 0.72 / 0.39; 64: 0.91 / 0.50; 2,000 rows alike within noise; AMD EPYC Zen 4,
-// `benchmarks/cpu/native/run.sh attention_from_memory REV 5 200`).
-constexpr int64_t kLeadRows = 32;
 // Queries whose dots share each key load: kKeysPerPass x this accumulators
 // stay in registers (16 on AVX2, 32 on AVX-512).
 #if defined(__AVX512F__)
@@ -235,23 +229,20 @@ inline float softmax_block(float* l, int64_t n, float* peak, float* total) {
   return rescale;
 }
 
-// The head slices (bytes long) of rows [s, s + n) into the outer caches ahead of their use (kLeadRows
-// on while these rows are read). From memory the kernel read at a third of one core's
+// The head slices (bytes long) of rows [s, s + n) into the outer caches ahead of their use (the next
+// block's rows while this block's are read). From memory the kernel read at a third of one core's
 // stream bandwidth without it: 30 layers x 2,000 SmolLM2 rows (46 MB) took 8.8-10.7 ms, 4.3-5.3
 // GB/s against 16.5 GB/s for a plain read, on an AMD EPYC (Zen 4). Prefetching into L1 (locality 3)
-// gained only 10-15 %; into L2 / L3 (locality 1): 3.3-3.5 ms, 13-14 GB/s.
+// gained only 10-15 %; into L2 / L3 (locality 1): 3.3-3.5 ms, 13-14 GB/s. Rows 32 ahead with the
+// first 32 asked for up front took 0.83x the time over 200 rows in that harness (every layer's rows
+// evicted), but 1.04-1.07x in the bf16 program @200 in turns (fp32 alike), so the lead stays a block.
 // Always inlined: GCC 12 takes a function whose only effect is a prefetch for a const one and drops
-// calls that it does not inline (the kernel then ran at half speed from memory, with no prefetch left).
+// calls that it does not inline (a helper between this and the loop left the kernel without prefetches
+// and at half speed from memory).
 template <typename T>
 __attribute__((always_inline)) inline void prefetch_rows(const T* p, int64_t row, int64_t n, int64_t bytes) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + j * row) + b, 0, 1);
-}
-
-// Head h's slices of rows [from, from + n), clipped to `end`.
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_ahead(const Rows<T>& t, int64_t from, int64_t n, int64_t end, int64_t bytes, int64_t h) {
-  if (from < end) prefetch_rows(t.base + from * t.row + h * t.head, t.row, std::min(n, end - from), bytes);
 }
 
 // Rows [begin, end) of every head into `part`. Queries are [H_kv, R, kd] at q
@@ -262,20 +253,18 @@ void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, i
                  Rows<T> k, Rows<T> v, int64_t begin, int64_t end, float scale, Partial& part) {
   const int64_t queries = heads * r;
   std::vector<float> logits(queries * kBlock), rescale(queries);
-  const int64_t k_bytes = kd * int64_t(sizeof(T)), v_bytes = vd * int64_t(sizeof(T));
-  for (int64_t h = 0; h < heads; ++h) {  // the first rows' lead: nothing before them to hide it behind
-    prefetch_ahead(k, begin, kLeadRows, end, k_bytes, h);
-    prefetch_ahead(v, begin, kLeadRows, end, v_bytes, h);
-  }
   for (int64_t s0 = begin; s0 < end; s0 += kBlock) {
     const int64_t n = std::min(kBlock, end - s0);
     // Every head of kRun rows before the next rows: the block streams through
     // memory in order (head by head over all 64 rows, the hardware prefetchers
     // fell behind: 8,000 rows from DRAM took 1.1x as long).
-    // The rows kLeadRows on, run by run, as this block's are read.
+    // The next block's rows, run by run, as this block's are read.
+    const int64_t ahead = std::min(kBlock, std::max<int64_t>(0, end - s0 - kBlock));
     for (int64_t j = 0; j < n; j += kRun)
       for (int64_t h = 0; h < heads; ++h) {
-        prefetch_ahead(k, s0 + j + kLeadRows, kRun, end, k_bytes, h);
+        if (j < ahead)
+          prefetch_rows(k.base + (s0 + kBlock + j) * k.row + h * k.head, k.row, std::min(kRun, ahead - j),
+                        kd * int64_t(sizeof(T)));
         in_passes(r, [&](auto nq, int64_t g) {
           dots<decltype(nq)::value, KD>(q + h * q_head + g * q_row, q_row, k.base + (s0 + j) * k.row + h * k.head,
                                         k.row, std::min(kRun, n - j), kd, scale,
@@ -286,7 +275,9 @@ void attend_span(const float* q, int64_t q_head, int64_t q_row, int64_t heads, i
       rescale[i] = softmax_block(logits.data() + i * kBlock, n, &part.peak[i], &part.total[i]);
     for (int64_t j = 0; j < n; j += kRun)
       for (int64_t h = 0; h < heads; ++h) {
-        prefetch_ahead(v, s0 + j + kLeadRows, kRun, end, v_bytes, h);
+        if (j < ahead)
+          prefetch_rows(v.base + (s0 + kBlock + j) * v.row + h * v.head, v.row, std::min(kRun, ahead - j),
+                        vd * int64_t(sizeof(T)));
         in_passes(r, [&](auto nq, int64_t g) {
           const int64_t i = h * r + g;
           // The earlier rows' factor applies once per block, at its first run.
