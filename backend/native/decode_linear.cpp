@@ -328,8 +328,7 @@ inline Vec int16_block(const int8_t* w, const int16_t* x, float scale, int64_t n
 #ifdef OFFGRAPH_KV_WIDE_ROWS
 // Weight rows dequantized to bf16 for wide steps (wide_rows.h), as torchao's dequantize computes them:
 // the value times its scale in fp32, then rounded to bf16.
-OFFGRAPH_KV_BF16_TARGET inline void int8_bf16_row(const int8_t* q, int64_t k,
-                                                                                          float scale, uint16_t* out) {
+OFFGRAPH_KV_BF16_TARGET inline void int8_bf16_row(const int8_t* q, int64_t k, float scale, uint16_t* out) {
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < k; i += 16) {
     const __mmask16 m = k - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (k - i)) - 1);

@@ -74,9 +74,8 @@ inline RowPairs row_pairs(const Bf16* x, int64_t x_row, int64_t x_col, int64_t r
 // tile[o][16 v + i] = sum over pairs of weight row o's pair . activation row 16 v + i's, for NR weight
 // rows (w: their first, `stride` words apart) and MV vectors of rows (x: the first's words).
 template <int NR, int MV>
-OFFGRAPH_KV_BF16_TARGET void wide_tile(const uint32_t* __restrict x, int64_t pairs,
-                                                                      const uint32_t* __restrict w, int64_t stride,
-                                                                      float* tile) {
+OFFGRAPH_KV_BF16_TARGET void wide_tile(const uint32_t* __restrict x, int64_t pairs, const uint32_t* __restrict w,
+                                       int64_t stride, float* tile) {
   __m512 acc[NR][MV];
   for (int o = 0; o < NR; ++o)
     for (int v = 0; v < MV; ++v) acc[o][v] = _mm512_setzero_ps();
@@ -142,8 +141,7 @@ void wide_rows(const RowPairs& a, int64_t rows, int64_t k, int64_t outputs, cons
 }
 
 // Dequantization into bf16 rows, 16 values at a time: v (fp32) times a scale, rounded to nearest even.
-OFFGRAPH_KV_BF16_TARGET inline void bf16_store(uint16_t* out, __m512 v,
-                                                                              __mmask16 keep = 0xFFFF) {
+OFFGRAPH_KV_BF16_TARGET inline void bf16_store(uint16_t* out, __m512 v, __mmask16 keep = 0xFFFF) {
   _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
