@@ -88,6 +88,10 @@ WRITE_ROWS = 16  # tokens per tile of the step's K/V write (decode writes one: a
 RING_PROGRAMS_PER_SM = 3
 RING_BLOCK_N = 32
 RING_NUM_STAGES = 2
+# One-token steps (decode) on the CUDA cores, ``_decode_partial``: (programs per SM,
+# keys per block, warps, stages) per layer kind; None leaves that kind's decode on
+# the 16-row tl.dot kernel above.
+DECODE = {"flat": (2, 32, 4, 2), "ring": (3, 32, 4, 2)}
 _DEFAULT_SMS = 132  # an H200's count, for tracing off the GPU (the interpreter tests)
 
 # At export, "torch" keeps CUDA 16-bit programs on torch's attention ops (the
@@ -279,6 +283,105 @@ if HAVE_TRITON:
             tl.store(ACC + part[:, None] * DV + dv[None, :], acc, mask=row_ok[:, None] & dv_ok[None, :])
 
     @triton.jit
+    def _decode_partial(
+        Q, KN, VN, KS, VS, LEN, ACC, MAX, SUM, OUT, so_h,
+        sq_h, sq_d, skn_h, skn_d, svn_h, svn_d, sks_r, sks_h, svs_r, svs_h,
+        slots, window, n_splits, scale_log2,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BD: tl.constexpr,
+        BDV: tl.constexpr, RING: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # A one-token step on the CUDA cores: a KV head's G query rows against a
+        # block of keys as broadcast products summed in fp32, no tensor-core tile
+        # (a 16-row tl.dot tile is 3/4 padding at G = 4 and its operand staging
+        # holds registers and shared memory that cap the programs per SM, while a
+        # decode program is short enough for its instruction latency to set the time).
+        split = tl.program_id(0)
+        h = tl.program_id(1)
+        n_kv = tl.num_programs(1)
+        length = tl.load(LEN).to(tl.int64)
+        d = tl.arange(0, BD)
+        dv = tl.arange(0, BDV)
+        d_ok = d < D
+        dv_ok = dv < DV
+        g = tl.arange(0, GP)
+        g_ok = g < G
+        nb = tl.arange(0, BLOCK_N)
+        k_head = KS + h * sks_h
+        v_head = VS + h * svs_h
+        if RING:
+            len_slot = (length % slots).to(tl.int32)
+            k_row = k_head + len_slot * sks_r
+            v_row = v_head + len_slot * svs_r
+        else:
+            len_slot = 0
+            k_row = k_head + length * sks_r
+            v_row = v_head + length * svs_r
+        k_new = tl.load(KN + h * skn_h + d * skn_d, mask=d_ok, other=0.0)
+        v_new = tl.load(VN + h * svn_h + dv * svn_d, mask=dv_ok, other=0.0)
+        if split == 0:
+            # The step's row, which no program reads back: its key comes from the input below.
+            tl.store(k_row + d, k_new, mask=d_ok)
+            tl.store(v_row + dv, v_new, mask=dv_ok)
+
+        # Positions relative to the length: stored keys are -length .. -1 (a ring's
+        # band from 1 - window), the step's own key is 0.
+        lo = -(tl.minimum(length, 2**31 - 2).to(tl.int32))
+        if RING:
+            lo = tl.maximum(1 - window, lo)
+        per_split = tl.cdiv(tl.cdiv(1 - lo, n_splits), BLOCK_N) * BLOCK_N
+        start = lo + split * per_split
+        end = tl.minimum(start + per_split, 1)
+        stored_end = tl.minimum(end, 0)
+
+        qh = h * G + g
+        q = tl.load(Q + qh[:, None] * sq_h + d[None, :] * sq_d, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q = (q.to(tl.float32) * scale_log2).to(tl.float32)
+        m_i = tl.full([GP], -1.0e30, tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, BDV], tl.float32)
+        for k0 in range(start, stored_end, BLOCK_N):
+            k_ok = k0 + nb < stored_end
+            if RING:
+                s0 = len_slot + k0  # in (-slots, slots)
+                s0 = tl.where(s0 < 0, s0 + slots, s0)
+                off = s0 + nb
+                off = tl.where(off >= slots, off - slots, off) - s0
+                k_blk = k_head + s0.to(tl.int64) * sks_r
+                v_blk = v_head + s0.to(tl.int64) * svs_r
+            else:
+                off = nb
+                k_blk = k_head + (length + k0) * sks_r
+                v_blk = v_head + (length + k0) * svs_r
+            k = tl.load(k_blk + off[:, None] * sks_r + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_blk + off[:, None] * svs_r + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        if (start <= 0) & (end > 0):
+            # The split whose range holds position 0 takes the step's own key.
+            s = tl.sum(q * k_new.to(tl.float32)[None, :], 1)
+            m_new = tl.maximum(m_i, s)
+            p = tl.exp2(s - m_new)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            l_i = l_i * alpha + p
+            m_i = m_new
+
+        if n_splits == 1:
+            tl.store(OUT + qh[:, None] * so_h + dv[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
+                     mask=g_ok[:, None] & dv_ok[None, :])
+        else:
+            part = (split * n_kv + h) * G + g
+            tl.store(MAX + part, m_i, mask=g_ok)
+            tl.store(SUM + part, l_i, mask=g_ok)
+            tl.store(ACC + part[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None] & dv_ok[None, :])
+
+    @triton.jit
     def _combine(
         ACC, MAX, SUM, OUT, so_t, so_h, T, n_splits,
         G: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -337,9 +440,13 @@ if HAVE_TRITON:
         narrow_programs = (RING_PROGRAMS_PER_SM if ring else PROGRAMS_PER_SM) * _multiprocessors(q.device)
         narrow_blocks = (n_rows + BLOCK_M - 1) // BLOCK_M
         wide_blocks = (n_rows + WIDE_BLOCK_M - 1) // WIDE_BLOCK_M
-        narrow_splits = (1 - wide) * torch.sym_max(1, narrow_programs // (hkv * narrow_blocks))
+        decode = DECODE["ring" if ring else "flat"]
+        one = 0 if decode is None else 1 - torch.sym_min(1, t - 1)  # a one-token step takes _decode_partial
+        decode_programs = 0 if decode is None else decode[0] * _multiprocessors(q.device)
+        narrow_splits = (1 - wide) * (1 - one) * torch.sym_max(1, narrow_programs // (hkv * narrow_blocks))
         wide_splits = wide * torch.sym_max(1, programs // (hkv * wide_blocks))
-        splits = narrow_splits + wide_splits
+        decode_splits = one * max(1, decode_programs // hkv)
+        splits = narrow_splits + wide_splits + decode_splits
         acc = torch.empty((splits, hkv, n_rows, dv), device=q.device, dtype=torch.float32)
         mx = torch.empty((splits, hkv, n_rows), device=q.device, dtype=torch.float32)
         sm = torch.empty((splits, hkv, n_rows), device=q.device, dtype=torch.float32)
@@ -358,10 +465,18 @@ if HAVE_TRITON:
         wrap_triton(_update_attend_partial)[(wide_splits, hkv, wide_blocks)](
             *args, BLOCK_M=WIDE_BLOCK_M, BLOCK_N=WIDE_BLOCK_N, num_warps=WIDE_NUM_WARPS, num_stages=NUM_STAGES,
             **shape)
+        if decode is not None:
+            wrap_triton(_decode_partial)[(decode_splits, hkv)](
+                q, k, v, k_store, v_store, length, acc, mx, sm, out, out.stride(2),
+                q.stride(1), q.stride(3), k.stride(1), k.stride(3), v.stride(1), v.stride(3),
+                k_store.stride(1), k_store.stride(2), v_store.stride(1), v_store.stride(2),
+                k_store.shape[1], window, splits, scale * 1.4426950408889634,
+                G=g, GP=1 << (g - 1).bit_length(), D=d, DV=dv, BD=_next_pow2(d), BDV=_next_pow2(dv), RING=ring,
+                BLOCK_N=decode[1], num_warps=decode[2], num_stages=decode[3])
         # Partials to merge only where the keys were split.
         wrap_triton(_combine)[(n_rows * torch.sym_min(1, splits - 1), hkv)](
             acc, mx, sm, out, out.stride(1), out.stride(2), t, splits,
-            G=g, DV=dv, BDV=_next_pow2(dv), BLOCK_S=_next_pow2(max(1, max(programs, narrow_programs) // hkv)),
+            G=g, DV=dv, BDV=_next_pow2(dv), BLOCK_S=_next_pow2(max(1, max(programs, narrow_programs, decode_programs) // hkv)),
             num_warps=4,
         )
         return out.transpose(1, 2)

@@ -117,6 +117,7 @@ def test_one_split_writes_the_output_itself_without_the_combine(t, window, monke
 
     monkeypatch.setattr(ta, "PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(ta, "RING_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(ta, "DECODE", {kind: (0,) + s[1:] for kind, s in ta.DECODE.items()})
     length = 150
     rows = window + 70 - 1 if window else length + t
     q, k, v, ks, vs = _step(8, 2, 64, t, rows, torch.bfloat16, seed=t + window)
@@ -130,3 +131,19 @@ def test_gqa8_decode_over_many_splits_matches_reference_twice_in_a_row(window, l
     for seed in (1, 2):
         q, k, v, ks, vs = _step(16, 2, 128, 1, rows, torch.bfloat16, seed=seed)
         _check(q, k, v, ks, vs, length + seed, window)
+
+
+@pytest.mark.parametrize("kernel", ["cuda-cores", "tl.dot"])
+@pytest.mark.parametrize("hq,hkv", [(3, 3), (6, 2), (24, 2)], ids=["gqa1", "gqa3", "gqa12"])
+@pytest.mark.parametrize("window,length,rows", [(0, 150, 151), (64, 150, 80)], ids=["flat", "ring-wrapped"])
+def test_decode_step_matches_reference_on_either_kernel_for_any_group(window, length, rows, hq, hkv, kernel,
+                                                                       monkeypatch):
+    # One-token steps take the CUDA-core kernel (a group padded to a power of two
+    # where it is not one) unless a layer kind's DECODE setting sends them to the
+    # 16-row tl.dot kernel; both must agree with the reference.
+    from offgraph_kv.backend import triton_attention as ta
+
+    if kernel == "tl.dot":
+        monkeypatch.setattr(ta, "DECODE", {"flat": None, "ring": None})
+    q, k, v, ks, vs = _step(hq, hkv, 64, 1, rows, torch.bfloat16, seed=hq + window)
+    _check(q, k, v, ks, vs, length, window)
