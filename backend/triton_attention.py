@@ -39,6 +39,15 @@ Both are launched every step and the idle one has a grid of zero programs,
 which the launcher skips: the width is a symbolic shape, so the choice is made
 on the device side of the launch, not at export.
 
+One-token steps (decode) take a third variant, ``_decode_partial``, grid
+``(splits, H_kv)``, on the CUDA cores: a KV head's ``G`` query rows against each
+key block as broadcast products summed in fp32 (a 16-row ``tl.dot`` tile is
+mostly padding at decode and its operand staging caps the programs per SM), the
+same ranges, write and partials as above. Which layer kinds take it, and with
+what launch settings, is ``DECODE`` (``benchmarks/cuda/decode_variants.py``
+measures the choice); the other two variants then have grids of zero programs
+at width 1.
+
 Launch 2, ``_combine``, grid ``(T * G, H_kv)``, merges one row's partials
 from every split in one tile (a single round of loads) and writes the
 output, ``[1, T, H_q, D_v]`` memory seen as ``[1, H_q, T, D_v]`` (the layout

@@ -117,7 +117,7 @@ def test_one_split_writes_the_output_itself_without_the_combine(t, window, monke
 
     monkeypatch.setattr(ta, "PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(ta, "RING_PROGRAMS_PER_SM", 0)
-    monkeypatch.setattr(ta, "DECODE", {kind: (0,) + s[1:] for kind, s in ta.DECODE.items()})
+    monkeypatch.setattr(ta, "DECODE", {kind: s and (0,) + s[1:] for kind, s in ta.DECODE.items()})
     length = 150
     rows = window + 70 - 1 if window else length + t
     q, k, v, ks, vs = _step(8, 2, 64, t, rows, torch.bfloat16, seed=t + window)
@@ -143,7 +143,7 @@ def test_decode_step_matches_reference_on_either_kernel_for_any_group(window, le
     # 16-row tl.dot kernel; both must agree with the reference.
     from offgraph_kv.backend import triton_attention as ta
 
-    if kernel == "tl.dot":
-        monkeypatch.setattr(ta, "DECODE", {"flat": None, "ring": None})
+    setting = (2, 32, 4, 2) if kernel == "cuda-cores" else None
+    monkeypatch.setattr(ta, "DECODE", {"flat": setting, "ring": setting})
     q, k, v, ks, vs = _step(hq, hkv, 64, 1, rows, torch.bfloat16, seed=hq + window)
     _check(q, k, v, ks, vs, length, window)
