@@ -166,6 +166,28 @@ if HAVE_TRITON:
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
+    def _stored_block(k_head, v_head, length, len_slot, k0, stored_end, nb, d, dv, d_ok, dv_ok,
+                      sks_r, svs_r, slots, RING: tl.constexpr):
+        # One block of stored keys and values from position ``length + k0`` on. A ring's
+        # slots follow the position and a block spans at most ``slots`` positions, so it
+        # wraps at most once: its first slot by one conditional add, no division.
+        k_ok = k0 + nb < stored_end
+        if RING:
+            s0 = len_slot + k0  # in (-slots, slots): -window < k0 < 0
+            s0 = tl.where(s0 < 0, s0 + slots, s0)
+            off = s0 + nb
+            off = tl.where(off >= slots, off - slots, off) - s0  # rows from the block's first slot
+            k_blk = k_head + s0.to(tl.int64) * sks_r
+            v_blk = v_head + s0.to(tl.int64) * svs_r
+        else:
+            off = nb
+            k_blk = k_head + (length + k0) * sks_r
+            v_blk = v_head + (length + k0) * svs_r
+        k = tl.load(k_blk + off[:, None] * sks_r + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_blk + off[:, None] * svs_r + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+        return k, v, k_ok
+
+    @triton.jit
     def _update_attend_partial(
         Q, KN, VN, KS, VS, LEN, ACC, MAX, SUM, OUT, so_t, so_h,
         sq_h, sq_t, sq_d, skn_h, skn_t, skn_d, svn_h, svn_t, svn_d,
@@ -247,27 +269,12 @@ if HAVE_TRITON:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BDV], tl.float32)
         # Keys before the length come from storage: every query sees them (flat),
-        # or those in its band (ring). A ring's slots follow the position, and a
-        # split's range spans at most ``slots`` positions, so a block wraps at most
-        # once: its first slot by one conditional add or subtract, no division.
+        # or those in its band (ring).
         stored_end = tl.minimum(end, 0)
         for k0 in range(start, stored_end, BLOCK_N):
-            kp = k0 + nb
-            k_ok = kp < stored_end
-            if RING:
-                s0 = len_slot + k0  # in (-slots, slots): -window < k0 < 0
-                s0 = tl.where(s0 < 0, s0 + slots, s0)
-                off = s0 + nb
-                off = tl.where(off >= slots, off - slots, off) - s0  # rows from the block's first slot
-                k_blk = k_head + s0.to(tl.int64) * sks_r
-                v_blk = v_head + s0.to(tl.int64) * svs_r
-            else:
-                off = nb
-                k_blk = k_head + (length + k0) * sks_r
-                v_blk = v_head + (length + k0) * svs_r
-            k = tl.load(k_blk + off[:, None] * sks_r + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_blk + off[:, None] * svs_r + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
-            m_i, l_i, acc = _attend_block(q, k, v, kp, k_ok, qrel, m_i, l_i, acc, scale_log2, window,
+            k, v, k_ok = _stored_block(k_head, v_head, length, len_slot, k0, stored_end, nb, d, dv, d_ok, dv_ok,
+                                       sks_r, svs_r, slots, RING=RING)
+            m_i, l_i, acc = _attend_block(q, k, v, k0 + nb, k_ok, qrel, m_i, l_i, acc, scale_log2, window,
                                           RING=RING, CAUSAL=False, DOT_F32=DOT_F32)
         # The step's own keys come straight from its inputs (no program waits for
         # another's write), lower-right causal.
@@ -351,20 +358,8 @@ if HAVE_TRITON:
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, BDV], tl.float32)
         for k0 in range(start, stored_end, BLOCK_N):
-            k_ok = k0 + nb < stored_end
-            if RING:
-                s0 = len_slot + k0  # in (-slots, slots)
-                s0 = tl.where(s0 < 0, s0 + slots, s0)
-                off = s0 + nb
-                off = tl.where(off >= slots, off - slots, off) - s0
-                k_blk = k_head + s0.to(tl.int64) * sks_r
-                v_blk = v_head + s0.to(tl.int64) * svs_r
-            else:
-                off = nb
-                k_blk = k_head + (length + k0) * sks_r
-                v_blk = v_head + (length + k0) * svs_r
-            k = tl.load(k_blk + off[:, None] * sks_r + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_blk + off[:, None] * svs_r + dv[None, :], mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+            k, v, k_ok = _stored_block(k_head, v_head, length, len_slot, k0, stored_end, nb, d, dv, d_ok, dv_ok,
+                                       sks_r, svs_r, slots, RING=RING)
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2)
             s = tl.where(k_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
