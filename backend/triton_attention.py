@@ -166,6 +166,17 @@ if HAVE_TRITON:
         return m_new, l_i * alpha + tl.sum(p, 1), acc
 
     @triton.jit
+    def _head_rows(KS, VS, LEN, h, sks_h, svs_h, slots, RING: tl.constexpr):
+        # The committed length (from device memory), KV head h's first stored rows, and a
+        # ring's slot of the length: ``length mod slots``, a program's one 64-bit division.
+        length = tl.load(LEN).to(tl.int64)
+        if RING:
+            len_slot = (length % slots).to(tl.int32)
+        else:
+            len_slot = 0
+        return length, KS + h * sks_h, VS + h * svs_h, len_slot
+
+    @triton.jit
     def _stored_block(k_head, v_head, length, len_slot, k0, stored_end, nb, d, dv, d_ok, dv_ok,
                       sks_r, svs_r, slots, RING: tl.constexpr):
         # One block of stored keys and values from position ``length + k0`` on. A ring's
@@ -201,7 +212,7 @@ if HAVE_TRITON:
         h = tl.program_id(1)
         mb = tl.program_id(2)
         n_kv = tl.num_programs(1)
-        length = tl.load(LEN).to(tl.int64)
+        length, k_head, v_head, len_slot = _head_rows(KS, VS, LEN, h, sks_h, svs_h, slots, RING=RING)
         n_rows = T * G
 
         d = tl.arange(0, BD)
@@ -215,12 +226,6 @@ if HAVE_TRITON:
         # the instructions of a decode step, whose programs are short enough for their
         # instruction latency to set the time. A ring's slot arithmetic starts from
         # ``length mod slots``, the one 64-bit division.
-        k_head = KS + h * sks_h
-        v_head = VS + h * svs_h
-        if RING:
-            len_slot = (length % slots).to(tl.int32)
-        else:
-            len_slot = 0
 
         # The step's write: split 0 of each row block writes the tokens whose first
         # folded row it holds (every token once, spread over the row blocks), in tiles
@@ -316,7 +321,7 @@ if HAVE_TRITON:
         split = tl.program_id(0)
         h = tl.program_id(1)
         n_kv = tl.num_programs(1)
-        length = tl.load(LEN).to(tl.int64)
+        length, k_head, v_head, len_slot = _head_rows(KS, VS, LEN, h, sks_h, svs_h, slots, RING=RING)
         d = tl.arange(0, BD)
         dv = tl.arange(0, BDV)
         d_ok = d < D
@@ -324,16 +329,12 @@ if HAVE_TRITON:
         g = tl.arange(0, GP)
         g_ok = g < G
         nb = tl.arange(0, BLOCK_N)
-        k_head = KS + h * sks_h
-        v_head = VS + h * svs_h
         if RING:
-            len_slot = (length % slots).to(tl.int32)
-            k_row = k_head + len_slot * sks_r
-            v_row = v_head + len_slot * svs_r
+            row = len_slot  # the step's row: its slot, or the length
         else:
-            len_slot = 0
-            k_row = k_head + length * sks_r
-            v_row = v_head + length * svs_r
+            row = length
+        k_row = k_head + row * sks_r
+        v_row = v_head + row * svs_r
         k_new = tl.load(KN + h * skn_h + d * skn_d, mask=d_ok, other=0.0)
         v_new = tl.load(VN + h * svn_h + dv * svn_d, mask=dv_ok, other=0.0)
         if split == 0:
@@ -442,13 +443,15 @@ if HAVE_TRITON:
         # tensor cores' warp-group instructions.
         wide = torch.sym_min(1, (n_rows - 1) // WIDE_ROWS)
         ring = window > 0
-        programs = PROGRAMS_PER_SM * _multiprocessors(q.device)
-        narrow_programs = (RING_PROGRAMS_PER_SM if ring else PROGRAMS_PER_SM) * _multiprocessors(q.device)
+        sms = _multiprocessors(q.device)
+        scale_log2 = scale * 1.4426950408889634  # the kernels' softmax is base 2
+        programs = PROGRAMS_PER_SM * sms
+        narrow_programs = (RING_PROGRAMS_PER_SM if ring else PROGRAMS_PER_SM) * sms
         narrow_blocks = (n_rows + BLOCK_M - 1) // BLOCK_M
         wide_blocks = (n_rows + WIDE_BLOCK_M - 1) // WIDE_BLOCK_M
         decode = DECODE["ring" if ring else "flat"]
         one = 0 if decode is None else 1 - torch.sym_min(1, t - 1)  # a one-token step takes _decode_partial
-        decode_programs = 0 if decode is None else decode[0] * _multiprocessors(q.device)
+        decode_programs = 0 if decode is None else decode[0] * sms
         narrow_splits = (1 - wide) * (1 - one) * torch.sym_max(1, narrow_programs // (hkv * narrow_blocks))
         wide_splits = wide * torch.sym_max(1, programs // (hkv * wide_blocks))
         decode_splits = one * max(1, decode_programs // hkv)
@@ -461,7 +464,7 @@ if HAVE_TRITON:
                 q.stride(1), q.stride(2), q.stride(3), k.stride(1), k.stride(2), k.stride(3),
                 v.stride(1), v.stride(2), v.stride(3),
                 k_store.stride(1), k_store.stride(2), v_store.stride(1), v_store.stride(2),
-                t, k_store.shape[1], window, splits, scale * 1.4426950408889634)
+                t, k_store.shape[1], window, splits, scale_log2)
         shape = dict(G=g, D=d, DV=dv, BD=_next_pow2(d), BDV=_next_pow2(dv), RING=ring,
                      DOT_F32=_interpreted_bf16(k_store.dtype), WRITE_ROWS=WRITE_ROWS)
         # The zero-able extent is the grid's first: launchers skip a launch when it is 0.
@@ -476,7 +479,7 @@ if HAVE_TRITON:
                 q, k, v, k_store, v_store, length, acc, mx, sm, out, out.stride(2),
                 q.stride(1), q.stride(3), k.stride(1), k.stride(3), v.stride(1), v.stride(3),
                 k_store.stride(1), k_store.stride(2), v_store.stride(1), v_store.stride(2),
-                k_store.shape[1], window, splits, scale * 1.4426950408889634,
+                k_store.shape[1], window, splits, scale_log2,
                 G=g, GP=1 << (g - 1).bit_length(), D=d, DV=dv, BD=_next_pow2(d), BDV=_next_pow2(dv), RING=ring,
                 BLOCK_N=decode[1], num_warps=decode[2], num_stages=decode[3])
         # Partials to merge only where the keys were split.
